@@ -1,0 +1,204 @@
+"""`edgemtp` command line: generate, synth."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from edgemtp.errors import EdgeMTPError
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise EdgeMTPError(f"--prompt-ids '{text}': expected comma-separated integers") from None
+    if not ids:
+        raise EdgeMTPError("--prompt-ids is empty")
+    return ids
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with a Gemma 4 checkpoint (reference CPU)")
+    p.add_argument("--model", required=True, type=Path, help="target checkpoint folder (HF layout)")
+    p.add_argument("--drafter", type=Path, help="MTP assistant checkpoint folder")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the weights)")
+    src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, e.g. 2,651,1234")
+    p.add_argument("--max-new-tokens", type=int, required=True, help="committed tokens to make")
+    p.add_argument("--mtp", type=int, help="draft depth (default 2 with a drafter; 0 = plain AR)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token(s)")
+    p.add_argument("--no-prune", action="store_true", help="no prefill pruning (A/B)")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--chat", action="store_true", help="apply Gemma's chat turn format")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    from edgemtp.model.synth import PRESETS
+
+    p = sub.add_parser("synth", help="write a random-weight checkpoint with real Gemma 4 shapes")
+    p.add_argument("--preset", required=True, choices=PRESETS)
+    p.add_argument("--scale", type=float, default=1.0, help="shrink width and depth (0 < F <= 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--force", action="store_true", help="replace an existing checkpoint at --out")
+
+
+def _check_positive(name: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise EdgeMTPError(f"{name} must be >= {minimum}, got {value}")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from edgemtp.model.checkpoint import load_drafter, load_target
+    from edgemtp.runtime.generate import generate
+    from edgemtp.runtime.sampling import SamplingParams
+    from edgemtp.runtime.tokenizer import load_tokenizer
+
+    _check_positive("--max-new-tokens", args.max_new_tokens)
+    _check_positive("--prefill-chunk", args.prefill_chunk)
+    _check_positive("--mtp", args.mtp, 0)
+    if args.mtp and not args.drafter:
+        raise EdgeMTPError("--mtp needs --drafter (an MTP assistant checkpoint)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
+    t0 = time.perf_counter()
+    target = load_target(args.model)
+    drafter = load_drafter(args.drafter, target.cfg) if args.drafter else None
+    load_s = time.perf_counter() - t0
+    tokenizer = load_tokenizer(args.model)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise EdgeMTPError(f"{args.model}: no tokenizer.json; pass --prompt-ids instead")
+        prompt = tokenizer.encode_prompt(args.prompt, chat=args.chat)
+    else:
+        if args.chat:
+            raise EdgeMTPError("--chat needs --prompt text")
+        prompt = args.prompt_ids
+    bad = [i for i in prompt if not 0 <= i < target.cfg.vocab_size]
+    if bad:
+        vocab = target.cfg.vocab_size
+        raise EdgeMTPError(f"prompt ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+    stop_ids = () if args.ignore_eos else target.cfg.eos_token_ids
+    if tokenizer is not None and not args.ignore_eos:
+        stop_ids = (*stop_ids, *tokenizer.extra_stop_ids)
+
+    out_ids: list[int] = []
+
+    def stream(new: list[int]) -> None:
+        if args.json:
+            return
+        before = tokenizer.decode(out_ids) if tokenizer else ""
+        out_ids.extend(new)
+        if tokenizer:
+            sys.stdout.write(tokenizer.decode(out_ids)[len(before) :])
+        else:
+            sys.stdout.write("".join(f"{t} " for t in new))
+        sys.stdout.flush()
+
+    with torch.no_grad():
+        result = generate(
+            target,
+            prompt,
+            args.max_new_tokens,
+            drafter=drafter,
+            mtp_depth=args.mtp,
+            params=params,
+            stop_ids=tuple(stop_ids),
+            prune=not args.no_prune,
+            prefill_chunk=args.prefill_chunk,
+            on_tokens=stream,
+        )
+    metrics = {**result.metrics(), "load_s": load_s, "stop_reason": result.stop_reason}
+    if args.json:
+        payload = {
+            "tokens": result.tokens,
+            "text": tokenizer.decode(result.tokens) if tokenizer else None,
+            "prompt_ids": prompt,
+            "metrics": metrics,
+            "trace": [asdict(step) for step in result.steps],
+        }
+        print(json.dumps(payload))
+    else:
+        print()
+        rate = metrics["decode_tok_s"]
+        summary = [
+            f"{metrics['generated_tokens']} tokens",
+            f"ttft {metrics['ttft_s'] * 1000:.1f} ms",
+            f"prefill {metrics['prefill_tok_s']:.1f} tok/s" if metrics["prefill_tok_s"] else "",
+            f"decode {rate:.1f} tok/s" if rate else "",
+        ]
+        if drafter is not None and metrics["drafted"]:
+            summary.append(
+                f"accepted {metrics['accepted']}/{metrics['drafted']} drafts, "
+                f"{metrics['mean_committed_per_forward']:.2f} tokens/forward"
+            )
+        print("-- " + ", ".join(s for s in summary if s), file=sys.stderr)
+    return 0
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from edgemtp.model.synth import write_preset
+
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    out = write_preset(
+        args.preset,
+        args.out,
+        scale=args.scale,
+        seed=args.seed,
+        dtype=args.dtype,
+        init_std=args.init_std,
+        progress=progress,
+        overwrite=args.force,
+    )
+    print(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="edgemtp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_synth(sub)
+    args = parser.parse_args(argv)
+    try:
+        return {"generate": run_generate, "synth": run_synth}[args.command](args)
+    except EdgeMTPError as err:
+        print(f"edgemtp {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"edgemtp {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"edgemtp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

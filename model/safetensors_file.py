@@ -1,0 +1,112 @@
+"""A bounds-checked, memory-mapped safetensors reader.
+
+Tensors are views of a copy-on-write mapping of the file: nothing is read until a row is touched,
+so the embedding tables stay on disk except for the rows a prompt uses. Every header field is
+checked against the file before any tensor is made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import struct
+from pathlib import Path
+
+import torch
+
+from edgemtp.errors import EdgeMTPError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class SafetensorsFile:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = self.path.stat().st_size
+                if size < 8:
+                    raise EdgeMTPError(f"{self.path}: truncated safetensors file ({size} bytes)")
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                if header_len > min(MAX_HEADER_BYTES, size - 8):
+                    raise EdgeMTPError(
+                        f"{self.path}: corrupt or truncated safetensors header "
+                        f"(declares {header_len} header bytes, file has {size})"
+                    )
+                raw = f.read(header_len)
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        except OSError as err:
+            raise EdgeMTPError(f"{self.path}: cannot read ({err.strerror})") from None
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise EdgeMTPError(f"{self.path}: corrupt safetensors header (not JSON)") from None
+        if not isinstance(header, dict):
+            raise EdgeMTPError(f"{self.path}: corrupt safetensors header (not an object)")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._data_start = 8 + header_len
+        data_len = size - self._data_start
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            self._entries[name] = self._check_entry(name, info, data_len)
+
+    def _check_entry(
+        self, name: str, info: object, data_len: int
+    ) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        bad = f"{self.path}: corrupt safetensors entry '{name}'"
+        if not isinstance(info, dict):
+            raise EdgeMTPError(bad)
+        dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise EdgeMTPError(f"{bad}: unsupported dtype {info.get('dtype')!r}")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if (
+            not isinstance(shape, list)
+            or not all(isinstance(d, int) and 0 <= d < 2**40 for d in shape)
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+        ):
+            raise EdgeMTPError(f"{bad}: malformed shape or offsets")
+        begin, end = offsets
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise EdgeMTPError(f"{bad}: offsets {offsets} do not fit shape {shape}")
+        if end > data_len:
+            raise EdgeMTPError(
+                f"{self.path}: truncated: tensor '{name}' ends at byte {end} of the data, "
+                f"file holds {data_len}; re-download or re-export the checkpoint"
+            )
+        return dtype, tuple(shape), begin, end
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name][1]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A zero-copy view of the mapped file (pages load on first touch)."""
+        dtype, shape, begin, end = self._entries[name]
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(
+            self._map,
+            dtype=dtype,
+            count=(end - begin) // dtype.itemsize,
+            offset=self._data_start + begin,
+        )
+        return flat.view(shape)

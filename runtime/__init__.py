@@ -1,0 +1,1 @@
+"""Reference decoding engine: KV cache, prefill pruning, sampling, MTP, traces."""

@@ -1,0 +1,191 @@
+"""Sampling and exact speculative acceptance for the reference engine (CPU, one sequence).
+
+- `probabilities` turns logits into the distribution to sample from: temperature, then top-k,
+  top-p, min-p, in the same order and with the same semantics as Hugging Face transformers'
+  logits warpers. Temperature 0 means greedy: a one-hot row at the argmax.
+- `greedy_accept` verifies k greedy drafts against the target's k+1 logit rows.
+- `speculative_accept` verifies k sampled drafts with standard speculative sampling
+  (Leviathan et al. 2023, Chen et al. 2023), which leaves the target distribution unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from edgemtp.errors import EdgeMTPError
+
+__all__ = [
+    "SamplingParams",
+    "greedy_accept",
+    "make_generator",
+    "probabilities",
+    "sample",
+    "speculative_accept",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into a next-token distribution. `temperature == 0` means greedy.
+
+    `top_k == 0`, `top_p == 1` and `min_p == 0` each switch that filter off. Invalid values raise
+    EdgeMTPError when the object is built (and from `validate()`).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        """Raise EdgeMTPError with a one-line message naming the bad value and the valid range."""
+        # Written as `not (valid)` so that NaN is rejected too.
+        if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
+            raise EdgeMTPError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}"
+            )
+        if math.isinf(self.temperature):
+            raise EdgeMTPError(f"temperature must be finite, got {self.temperature!r}")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise EdgeMTPError(
+                f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}"
+            )
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            raise EdgeMTPError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
+        if not (isinstance(self.min_p, int | float) and 0 <= self.min_p < 1):
+            raise EdgeMTPError(f"min_p must be in [0, 1) (0 turns it off), got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise EdgeMTPError(f"seed must be an integer or unset, got {self.seed!r}")
+
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Next-token distribution(s) for `logits` [..., V] as float32 [..., V]; rows are independent.
+
+    Greedy (temperature 0): one-hot at the argmax (first index on ties). Otherwise: divide by the
+    temperature, keep the top_k highest logits (ties with the k-th kept), keep the smallest set of
+    most probable tokens whose mass reaches top_p (at least one), drop tokens whose probability is
+    below min_p times the row's largest, and renormalise. -inf logits (masked tokens) get
+    probability 0; each row needs at least one finite logit.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    scores = logits / params.temperature
+    if params.top_k > 0:
+        k = min(params.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1.0:
+        # As transformers' TopPLogitsWarper: in ascending order, drop every token whose cumulative
+        # mass (itself and all less likely tokens) is <= 1 - top_p; the most likely always stays.
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1 - params.top_p)
+        drop_sorted[..., -1:] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, -math.inf)
+    if params.min_p > 0.0:
+        probs = scores.softmax(dim=-1)
+        drop = probs < params.min_p * probs.amax(dim=-1, keepdim=True)
+        drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(drop, -math.inf)
+    return scores.softmax(dim=-1)
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A torch.Generator seeded with `seed`, or from OS entropy when `seed` is None."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """One token id per row: probs [V] -> 0-d int64 tensor, probs [N, V] -> [N].
+
+    Rows need not be normalised (torch.multinomial normalises) but must be non-negative with a
+    positive sum.
+    """
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def greedy_accept(target_logits: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
+    """Verify greedy drafts: (n_accepted, next_token).
+
+    target_logits [k+1, V]: row i is the target's prediction after the prefix plus drafts[:i].
+    n_accepted is the number of leading drafts equal to the target's argmax of the row before
+    them; next_token is the argmax of row n_accepted (the correction, or the bonus token when
+    all k were accepted). Greedy decoding with this is token-identical to plain greedy decoding.
+    """
+    k = draft_tokens.shape[0]
+    _check_rows(target_logits, k + 1, "target_logits")
+    choices = target_logits.argmax(dim=-1).tolist()
+    drafts = draft_tokens.tolist()
+    n = 0
+    while n < k and drafts[n] == choices[n]:
+        n += 1
+    return n, choices[n]
+
+
+def speculative_accept(
+    target_probs: Tensor,
+    draft_probs: Tensor,
+    draft_tokens: Tensor,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """Verify sampled drafts with speculative sampling: (n_accepted, next_token).
+
+    target_probs [k+1, V]: row i is the target's distribution (after `probabilities`) given the
+    prefix plus drafts[:i]. draft_probs [k, V]: row i is exactly the distribution drafts[i] was
+    sampled from (it may be zero outside a subset, as with the clustered head; a greedy drafter
+    passes one-hot rows). Draft i is accepted with probability min(1, p_i(d) / q_i(d)); at the
+    first rejection the next token is sampled from norm(max(0, p_i - q_i)) (from p_i if that is
+    all zero); if all k are accepted the bonus token is sampled from target_probs[k]. The
+    emitted tokens are then distributed exactly as sampling from the target one by one.
+    """
+    k = draft_tokens.shape[0]
+    _check_rows(target_probs, k + 1, "target_probs")
+    _check_rows(draft_probs, k, "draft_probs")
+    n = k
+    if k > 0:
+        drafts = draft_tokens.long().unsqueeze(-1)
+        p = target_probs[:k].float().gather(-1, drafts).squeeze(-1).tolist()
+        q = draft_probs.float().gather(-1, drafts).squeeze(-1).tolist()
+        u = torch.rand(k, generator=generator, device=target_probs.device).tolist()
+        if min(q) <= 0:
+            raise ValueError("speculative_accept: a drafted token has zero draft probability")
+        # Accept while u < p / q, written without the division: always when p >= q (u < 1),
+        # never when p == 0.
+        n = 0
+        while n < k and u[n] * q[n] < p[n]:
+            n += 1
+    if n == k:
+        return n, int(sample(target_probs[k].float(), generator))
+    residual = (target_probs[n].float() - draft_probs[n].float()).clamp_(min=0)
+    if not residual.any():
+        return n, int(sample(target_probs[n].float(), generator))
+    # torch.multinomial normalises the weights: this samples norm(max(0, p_n - q_n)).
+    return n, int(sample(residual, generator))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_rows(x: Tensor, rows: int, name: str) -> None:
+    if x.dim() != 2 or x.shape[0] != rows:
+        raise ValueError(f"{name} must have shape [{rows}, V], got {list(x.shape)}")
