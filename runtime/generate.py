@@ -152,6 +152,48 @@ def draft(
     return tokens, torch.stack(dists) if dists else None
 
 
+def decode_round(
+    target: Target,
+    drafter: Drafter | None,
+    cache: KVCache,
+    token: int,
+    hidden: Tensor,
+    position: int,
+    k: int,
+    params: SamplingParams,
+    gen: torch.Generator,
+) -> tuple[list[int], Tensor, Step]:
+    """Draft k tokens after `token`, verify all k+1 rows in one target forward, keep the agreeing
+    prefix plus one token of the target's own, and roll the cache back past the rest.
+
+    Returns (committed tokens, the hidden state to draft from next, the step's trace).
+    """
+    t0 = time.perf_counter()
+    drafts, q = ([], None)
+    if k:
+        drafts, q = draft(target, drafter, cache, token, hidden, position, k, params, gen)
+    t1 = time.perf_counter()
+    ids = torch.tensor([token, *drafts])
+    positions = torch.arange(position, position + k + 1)
+    tables = target.tables
+    rows_hidden, new_kv = target.model(
+        tables.embed(ids), tables.per_layer_inputs(ids), positions, cache, "all"
+    )
+    cache.write(new_kv, position)
+    logits = target.model.logits(rows_hidden)
+    t2 = time.perf_counter()
+    drafted = torch.tensor(drafts, dtype=torch.long)
+    if params.greedy:
+        n, nxt = greedy_accept(logits, drafted)
+    else:
+        p = probabilities(logits, params)
+        n, nxt = speculative_accept(p, q if q is not None else p[:0], drafted, gen)
+    cache.truncate(position + n + 1)
+    seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": time.perf_counter() - t2}
+    step = Step("decode", position, k + 1, drafted=k, accepted=n, committed=n + 1, seconds=seconds)
+    return [*drafts[:n], nxt], rows_hidden[n], step
+
+
 def generate(
     target: Target,
     prompt: list[int],
@@ -173,60 +215,31 @@ def generate(
     params = params or SamplingParams()
     params.validate()
     gen = make_generator(params.seed)
-    context = max_context or min(
-        target.cfg.max_position_embeddings, len(prompt) + max_new_tokens + depth + 1
-    )
+    needed = len(prompt) + max_new_tokens + depth + 1
+    context = max_context or min(target.cfg.max_position_embeddings, needed)
     cache = KVCache(target.cfg, context, max_draft=depth)
     steps: list[Step] = []
-    out: list[int] = []
 
     t_start = time.perf_counter()
     hidden, logits = prefill(target, cache, torch.tensor(prompt), prefill_chunk, prune, steps)
-    token = _choose(logits, params, gen)
+    out = [_choose(logits, params, gen)]
     t_first = time.perf_counter()
-    out.append(token)
     if on_tokens:
-        on_tokens([token])
-    position = len(prompt)  # where `token` goes; it is committed but not yet in the cache
-    stop_reason = "stop" if token in stop_ids else "length"
+        on_tokens(out)
+    position = len(prompt)  # where out[-1] goes: committed, not yet in the cache
 
-    while len(out) < max_new_tokens and token not in stop_ids:
-        step = Step("decode", position, 0)
-        k = min(depth, max_new_tokens - len(out) - 1)
-        t0 = time.perf_counter()
-        drafts, q = (
-            draft(target, drafter, cache, token, hidden, position, k, params, gen)
-            if k
-            else ([], None)
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        k = min(depth, max_new_tokens - len(out) - 1)  # drafts never spend the budget
+        committed, hidden, step = decode_round(
+            target, drafter, cache, out[-1], hidden, position, k, params, gen
         )
-        t1 = time.perf_counter()
-        ids = torch.tensor([token, *drafts])
-        positions = torch.arange(position, position + k + 1)
-        rows_hidden, new_kv = target.model(
-            target.tables.embed(ids), target.tables.per_layer_inputs(ids), positions, cache, "all"
-        )
-        cache.write(new_kv, position)
-        logits = target.model.logits(rows_hidden)
-        t2 = time.perf_counter()
-        if params.greedy:
-            n, nxt = greedy_accept(logits, torch.tensor(drafts, dtype=torch.long))
-        else:
-            p = probabilities(logits, params)
-            n, nxt = speculative_accept(
-                p, q if q is not None else p[:0], torch.tensor(drafts, dtype=torch.long), gen
-            )
-        committed = [*drafts[:n], nxt]
-        cache.truncate(position + n + 1)
-        hidden, token, position = rows_hidden[n], nxt, position + n + 1
-        if any(t in stop_ids for t in committed):
-            committed = committed[: next(i for i, t in enumerate(committed) if t in stop_ids) + 1]
-            stop_reason = "stop"
-            token = committed[-1]
+        position += len(committed)
+        stops = [i for i, t in enumerate(committed) if t in stop_ids]
+        committed = committed[: stops[0] + 1] if stops else committed
         out.extend(committed)
-        step.rows, step.drafted, step.accepted, step.committed = k + 1, k, n, len(committed)
-        step.seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": time.perf_counter() - t2}
         steps.append(step)
         if on_tokens:
             on_tokens(committed)
     t_end = time.perf_counter()
+    stop_reason = "stop" if out[-1] in stop_ids else "length"
     return Generation(len(prompt), out, steps, t_start, t_first, t_end, stop_reason)
