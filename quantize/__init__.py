@@ -1,0 +1,1 @@
+"""Weight quantization formats, matched bit for bit to their reference implementations."""
