@@ -41,7 +41,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--chat", action="store_true", help="apply Gemma's chat turn format")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default: 1 for small models, where waking a thread pool "
+        "costs more than it saves and collapses on a busy machine; torch's choice otherwise)",
+    )
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +67,17 @@ def _check_positive(name: str, value: int | None, minimum: int = 1) -> None:
         raise EdgeMTPError(f"{name} must be >= {minimum}, got {value}")
 
 
+def default_threads(cfg) -> int:
+    """One thread when a decode step is too small to split (under ~50 MFLOP of matmuls)."""
+    import torch
+
+    from edgemtp.model.cost import layer_flops
+
+    step = sum(layer_flops(cfg, spec, range(0, 1)) for spec in cfg.layers)
+    step += 2 * cfg.hidden_size * cfg.vocab_size
+    return 1 if step < 5e7 else torch.get_num_threads()
+
+
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -73,10 +89,9 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_positive("--max-new-tokens", args.max_new_tokens)
     _check_positive("--prefill-chunk", args.prefill_chunk)
     _check_positive("--mtp", args.mtp, 0)
+    _check_positive("--threads", args.threads)
     if args.mtp and not args.drafter:
         raise EdgeMTPError("--mtp needs --drafter (an MTP assistant checkpoint)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -88,6 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
     target = load_target(args.model)
     drafter = load_drafter(args.drafter, target.cfg) if args.drafter else None
     load_s = time.perf_counter() - t0
+    torch.set_num_threads(args.threads or default_threads(target.cfg))
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
         if tokenizer is None:
