@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +25,7 @@ from edgemtp.model.config import (
     parse_text_config,
     read_config_json,
 )
-from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target, TokenTables, register_rope
+from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target, Rows, TokenTables, register_rope
 from edgemtp.model.safetensors_file import SafetensorsFile
 
 # Multimodal checkpoints keep the language model here and these towers beside it.
@@ -38,48 +40,81 @@ _MULTIMODAL_IGNORED = (
 _SHARED_LAYER_EXTRAS = ("k_proj", "v_proj", "k_norm", "v_norm")
 
 
-class WeightStore:
-    """All tensors of a checkpoint folder (single file or sharded), by name, memory-mapped."""
+class TensorSource:
+    """The tensors of one checkpoint, by Hugging Face name.
 
-    def __init__(self, model_dir: Path):
-        model_dir = Path(model_dir)
-        index = model_dir / "model.safetensors.index.json"
-        single = model_dir / "model.safetensors"
-        self.files: dict[str, SafetensorsFile] = {}
-        self.where: dict[str, str] = {}
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                assert isinstance(weight_map, dict)
-            except Exception:
-                raise EdgeMTPError(f"{index}: corrupt shard index (no weight_map)") from None
-            for name, shard in weight_map.items():
-                shard_path = (model_dir / str(shard)).resolve()
-                if shard_path.parent != model_dir.resolve():
-                    raise EdgeMTPError(f"{index}: shard '{shard}' is outside the model folder")
-                if shard not in self.files:
-                    if not shard_path.is_file():
-                        raise EdgeMTPError(f"{index}: shard '{shard}' is missing from {model_dir}")
-                    self.files[shard] = SafetensorsFile(shard_path)
-                if name not in self.files[shard].keys():
-                    raise EdgeMTPError(f"{index}: tensor '{name}' is not in shard '{shard}'")
-                self.where[name] = shard
-        elif single.is_file():
-            self.files["model.safetensors"] = SafetensorsFile(single)
-            self.where = {
-                name: "model.safetensors" for name in self.files["model.safetensors"].keys()
-            }
-        else:
+    This class reads plain safetensors folders (single file or sharded, memory-mapped); GGUF files
+    and quantized layouts subclass it in `edgemtp.quantize`.
+    """
+
+    def __init__(self, path: Path, config: dict[str, Any]):
+        self.path = Path(path)
+        self.config = config
+
+    @cached_property
+    def where(self) -> dict[str, SafetensorsFile]:
+        """Tensor name -> the file holding it (files are opened on first use, after the config
+        has been checked)."""
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if single.is_file() and not index.is_file():
+            file = SafetensorsFile(single)
+            return dict.fromkeys(file.keys(), file)
+        if not index.is_file():
             raise EdgeMTPError(
-                f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+                f"{self.path}: no model.safetensors or model.safetensors.index.json "
                 "(edgemtp reads safetensors checkpoints; convert .bin/.pt files first)"
             )
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except Exception:
+            raise EdgeMTPError(f"{index}: corrupt shard index (no weight_map)") from None
+        files: dict[str, SafetensorsFile] = {}
+        where: dict[str, SafetensorsFile] = {}
+        for name, shard in weight_map.items():
+            shard_path = (self.path / str(shard)).resolve()
+            if shard_path.parent != self.path.resolve():
+                raise EdgeMTPError(f"{index}: shard '{shard}' is outside the model folder")
+            if shard not in files:
+                if not shard_path.is_file():
+                    raise EdgeMTPError(f"{index}: shard '{shard}' is missing from {self.path}")
+                files[shard] = SafetensorsFile(shard_path)
+            if name not in files[shard].keys():
+                raise EdgeMTPError(f"{index}: tensor '{name}' is not in shard '{shard}'")
+            where[name] = files[shard]
+        return where
+
+    def raw(self, name: str) -> torch.Tensor:
+        """A stored tensor as it is in the file (memory-mapped)."""
+        return self.where[name].tensor(name)
 
     def names(self) -> list[str]:
+        """Names of the weights this checkpoint provides (quantized ones under their float name)."""
         return list(self.where)
 
-    def get(self, name: str) -> torch.Tensor:
-        return self.files[self.where[name]].tensor(name)
+    def tensor(self, name: str) -> torch.Tensor:
+        """A weight for the compute graph, dequantized if it is stored quantized."""
+        return self.raw(name)
+
+    def table(self, name: str) -> Rows:
+        """A host-side lookup table: rows are gathered (and dequantized) only when looked up."""
+        return self.raw(name)
+
+
+def open_checkpoint(path: Path) -> TensorSource:
+    """A Hugging Face folder (float, compressed-tensors or edgemtp-quantized) or a GGUF file."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from edgemtp.quantize.gguf_import import GGUFSource
+
+        return GGUFSource(path)
+    config = read_config_json(path)
+    if "quantization_config" in config or "edgemtp_quantization" in config:
+        from edgemtp.quantize.checkpoint import QuantizedSource
+
+        return QuantizedSource(path, config)
+    return TensorSource(path, config)
 
 
 def _text_prefix(names: list[str]) -> str:
@@ -89,36 +124,46 @@ def _text_prefix(names: list[str]) -> str:
 
 
 def _load_module(
-    module: nn.Module, store: WeightStore, rename: dict[str, str], dtype: torch.dtype, where: str
+    module: nn.Module, source: TensorSource, rename: dict[str, str], dtype: torch.dtype
 ) -> None:
-    """Copy every parameter/buffer of `module` from the store (checkpoint name via `rename`)."""
-    state = module.state_dict()
-    for key, dest in state.items():
-        source = rename[key]
-        if source not in store.where:
-            raise EdgeMTPError(f"{where}: tensor '{source}' is missing from the checkpoint")
-        tensor = store.get(source)
+    """Copy every parameter/buffer of `module` from the source (checkpoint name via `rename`)."""
+    names = set(source.names())
+    for key, dest in module.state_dict().items():
+        name = rename[key]
+        if name not in names:
+            raise EdgeMTPError(f"{source.path}: tensor '{name}' is missing from the checkpoint")
+        tensor = source.tensor(name)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise EdgeMTPError(
-                f"{where}: tensor '{source}' has shape {list(tensor.shape)}, "
+                f"{source.path}: tensor '{name}' has shape {list(tensor.shape)}, "
                 f"the config implies {list(dest.shape)}"
             )
-        dest.copy_(tensor.to(dest.dtype if not dest.is_floating_point() else dtype))
+        dest.copy_(tensor.to(dtype if dest.is_floating_point() else dest.dtype))
     module.to(dtype)
 
 
-def _check_no_unknown(
-    store: WeightStore, used: set[str], ignorable: tuple[str, ...], where: str
-) -> None:
-    for name in store.names():
+def _check_no_unknown(source: TensorSource, used: set[str], ignorable: tuple[str, ...]) -> None:
+    for name in source.names():
         if name in used or name.startswith(_MULTIMODAL_IGNORED):
             continue
         if any(part in name for part in ignorable):
             continue
         raise EdgeMTPError(
-            f"{where}: unexpected tensor '{name}': the checkpoint has parts edgemtp does not model "
-            "(is the config.json from another model?)"
+            f"{source.path}: unexpected tensor '{name}': the checkpoint has parts edgemtp does "
+            "not model (is the config.json from another model?)"
         )
+
+
+def _table(source: TensorSource, name: str, shape: tuple[int, int]) -> Rows:
+    if name not in source.names():
+        raise EdgeMTPError(f"{source.path}: tensor '{name}' is missing from the checkpoint")
+    table = source.table(name)
+    if tuple(table.shape) != shape:
+        raise EdgeMTPError(
+            f"{source.path}: tensor '{name}' has shape {list(table.shape)}, "
+            f"the config implies {list(shape)}"
+        )
+    return table
 
 
 @dataclass
@@ -126,77 +171,61 @@ class Target:
     cfg: TextConfig
     model: Gemma4Target
     tables: TokenTables
-    path: Path
+    source: TensorSource
+
+    @property
+    def path(self) -> Path:
+        return self.source.path
 
 
 @dataclass
 class Drafter:
     cfg: AssistantConfig
     model: Gemma4Drafter
-    path: Path
+    source: TensorSource
 
 
-def load_target_config(model_dir: Path) -> TextConfig:
-    raw = read_config_json(model_dir)
-    where = str(Path(model_dir) / "config.json")
+def target_config(raw: dict[str, Any], where: str) -> TextConfig:
+    """The text decoder config of a target checkpoint's config.json."""
     model_type = raw.get("model_type")
     if model_type == "gemma4":
-        return parse_text_config(
-            dict(raw.get("text_config") or {}, model_type="gemma4_text"), where
-        )
+        text = dict(raw.get("text_config") or {}, model_type="gemma4_text")
+        return parse_text_config(text, where)
     if model_type == "gemma4_text":
         return parse_text_config(raw, where)
     if model_type == ASSISTANT_MODEL_TYPE:
-        raise EdgeMTPError(f"{model_dir} is a Gemma 4 assistant (drafter); pass it as --drafter")
+        raise EdgeMTPError(f"{where} is a Gemma 4 assistant (drafter); pass it as --drafter")
     raise EdgeMTPError(
         f"{where}: unsupported model_type '{model_type}' (edgemtp supports Gemma 4: "
         "gemma4, gemma4_text and gemma4_assistant)"
     )
 
 
-def load_target(model_dir: Path, dtype: torch.dtype = torch.float32) -> Target:
-    cfg = load_target_config(model_dir)
-    where = str(model_dir)
-    store = WeightStore(model_dir)
-    prefix = _text_prefix(store.names())
+def load_target(path: Path, dtype: torch.dtype = torch.float32) -> Target:
+    source = open_checkpoint(path)
+    cfg = target_config(source.config, str(source.path))
+    prefix = _text_prefix(source.names())
     with torch.device("meta"):
         model = Gemma4Target(cfg)
     model = model.to_empty(device="cpu")
     register_rope(model, cfg)
-    head_name = "lm_head.weight"
-    tied = head_name not in store.where or cfg.raw.get("tie_word_embeddings", True)
-    rename = {k: prefix + k for k in model.state_dict() if k != "lm_head.weight"}
-    rename["lm_head.weight"] = prefix + "embed_tokens.weight" if tied else head_name
-    _load_module(model, store, rename, dtype, where)
-    tokens = store.get(prefix + "embed_tokens.weight")
-    per_layer = None
+    tied = "lm_head.weight" not in source.names() or cfg.raw.get("tie_word_embeddings", True)
+    rename = {k: prefix + k for k in model.state_dict()}
+    rename["lm_head.weight"] = prefix + "embed_tokens.weight" if tied else "lm_head.weight"
+    _load_module(model, source, rename, dtype)
+    tokens_name = prefix + "embed_tokens.weight"
+    tokens = _table(source, tokens_name, (cfg.vocab_size, cfg.hidden_size))
+    per_layer, ple_name = None, prefix + "embed_tokens_per_layer.weight"
     if cfg.hidden_size_per_layer_input:
-        name = prefix + "embed_tokens_per_layer.weight"
-        if name not in store.where:
-            raise EdgeMTPError(f"{where}: tensor '{name}' is missing from the checkpoint")
-        per_layer = store.get(name)
-        expected = (
-            cfg.vocab_size_per_layer_input,
-            cfg.num_layers * cfg.hidden_size_per_layer_input,
-        )
-        if tuple(per_layer.shape) != expected:
-            raise EdgeMTPError(
-                f"{where}: tensor '{name}' has shape {list(per_layer.shape)}, "
-                f"the config implies {list(expected)}"
-            )
-    used = set(rename.values()) | {
-        prefix + "embed_tokens.weight",
-        prefix + "embed_tokens_per_layer.weight",
-    }
-    _check_no_unknown(store, used, _SHARED_LAYER_EXTRAS, where)
+        shape = (cfg.vocab_size_per_layer_input, cfg.num_layers * cfg.hidden_size_per_layer_input)
+        per_layer = _table(source, ple_name, shape)
+    _check_no_unknown(source, {*rename.values(), tokens_name, ple_name}, _SHARED_LAYER_EXTRAS)
     model.eval().requires_grad_(False)
     tables = TokenTables(tokens, per_layer, cfg.num_layers, cfg.hidden_size_per_layer_input)
-    return Target(cfg, model, tables, Path(model_dir))
+    return Target(cfg, model, tables, source)
 
 
-def load_drafter_config(model_dir: Path) -> AssistantConfig:
-    raw = read_config_json(model_dir)
-    where = str(Path(model_dir) / "config.json")
+def drafter_config(raw: dict[str, Any], where: str) -> AssistantConfig:
     if raw.get("model_type") != ASSISTANT_MODEL_TYPE:
         raise EdgeMTPError(
             f"{where}: model_type '{raw.get('model_type')}' is not a Gemma 4 assistant "
@@ -205,26 +234,20 @@ def load_drafter_config(model_dir: Path) -> AssistantConfig:
     return parse_assistant_config(raw, where)
 
 
-def load_drafter(
-    model_dir: Path, target: TextConfig, dtype: torch.dtype = torch.float32
-) -> Drafter:
-    cfg = load_drafter_config(model_dir)
+def load_drafter(path: Path, target: TextConfig, dtype: torch.dtype = torch.float32) -> Drafter:
+    source = open_checkpoint(path)
+    cfg = drafter_config(source.config, str(source.path))
     check_drafter_matches(target, cfg)
-    where = str(model_dir)
-    store = WeightStore(model_dir)
     with torch.device("meta"):
         model = Gemma4Drafter(cfg, target)
     model = model.to_empty(device="cpu")
     register_rope(model, cfg.text)
-    tied = "lm_head.weight" not in store.where or cfg.raw.get("tie_word_embeddings", True)
-    rename = {}
-    for key in model.state_dict():
-        if key.startswith("layers.") or key.startswith("norm."):
-            rename[key] = "model." + key
-        else:
-            rename[key] = key
+    tied = "lm_head.weight" not in source.names() or cfg.raw.get("tie_word_embeddings", True)
+    rename = {
+        k: "model." + k if k.startswith(("layers.", "norm.")) else k for k in model.state_dict()
+    }
     rename["lm_head.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
-    _load_module(model, store, rename, dtype, where)
-    _check_no_unknown(store, set(rename.values()), (), where)
+    _load_module(model, source, rename, dtype)
+    _check_no_unknown(source, set(rename.values()), ())
     model.eval().requires_grad_(False)
-    return Drafter(cfg, model, Path(model_dir))
+    return Drafter(cfg, model, source)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from edgemtp.model.config import AssistantConfig, AttentionKind, LayerSpec, RopeSpec, TextConfig
 
-Rows = Literal["all", "last", "none"]
+RowSelection = Literal["all", "last", "none"]
 
 
 class RMSNorm(nn.Module):
@@ -184,12 +184,22 @@ class CacheView(Protocol):
     def positions(self, kind: AttentionKind) -> Tensor: ...
 
 
+class Rows(Protocol):
+    """A lookup table: a tensor (possibly memory-mapped) or a quantized table that dequantizes
+    only the rows it is asked for."""
+
+    shape: torch.Size | tuple[int, ...]
+    dtype: torch.dtype
+
+    def __getitem__(self, ids: Tensor) -> Tensor: ...
+
+
 @dataclass
 class TokenTables:
     """Host-side embedding tables; only the rows looked up are ever read (they may be mmapped)."""
 
-    tokens: Tensor  # [vocab, hidden], stored dtype
-    per_layer: Tensor | None  # [vocab_ple, layers * ple_dim], stored dtype
+    tokens: Rows  # [vocab, hidden]
+    per_layer: Rows | None  # [vocab_ple, layers * ple_dim]
     num_layers: int
     ple_dim: int
 
@@ -241,7 +251,7 @@ class Gemma4Target(nn.Module):
         token_ple: Tensor | None,
         positions: Tensor,
         cache: CacheView,
-        rows: Rows = "all",
+        rows: RowSelection = "all",
     ) -> tuple[Tensor | None, dict[int, tuple[Tensor, Tensor]]]:
         """Run T new tokens at `positions` on top of `cache`.
 
