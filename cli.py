@@ -1,4 +1,4 @@
-"""`edgemtp` command line: generate, synth."""
+"""`edgemtp` command line: generate, synth, quantize."""
 
 from __future__ import annotations
 
@@ -58,6 +58,34 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--force", action="store_true", help="replace an existing checkpoint at --out")
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize", help="quantize a float target or drafter checkpoint to Q4_0 or W4A16"
+    )
+    p.add_argument("--model", required=True, type=Path, help="float checkpoint folder (HF layout)")
+    p.add_argument("--scheme", required=True, choices=["q4_0", "w4a16"])
+    p.add_argument("--group", type=int, help="w4a16 group size (default 128; q4_0 is 32)")
+    p.add_argument("--asymmetric", action="store_true", help="w4a16 with zero points")
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="w4a16 rounding")
+    p.add_argument("--calib", type=Path, help="calibration text for --method gptq")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens to use")
+    p.add_argument(
+        "--embeddings",
+        default="q4_0",
+        choices=["q4_0", "int8", "fp16"],
+        help="token table (and tied LM head); default q4_0",
+    )
+    p.add_argument(
+        "--ple",
+        default="int8",
+        choices=["q4_0", "int8", "fp16"],
+        help="per-layer embedding table; default int8",
+    )
+    p.add_argument("--scale-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--force", action="store_true", help="replace an existing checkpoint at --out")
 
@@ -175,6 +203,66 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_quantize(args: argparse.Namespace) -> int:
+    import resource
+
+    import torch
+
+    from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+
+    settings = Settings(
+        scheme=args.scheme,
+        group_size=args.group or (32 if args.scheme == "q4_0" else 128),
+        symmetric=not args.asymmetric,
+        method=args.method,
+        embeddings=args.embeddings,
+        ple=args.ple,
+        scale_dtype=torch.bfloat16 if args.scale_dtype == "bfloat16" else torch.float16,
+    )
+    settings.validate()
+    hessians = None
+    if args.method == "gptq":
+        hessians = _calibration_hessians(args)
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    summary = quantize_checkpoint(
+        args.model, args.out, settings, hessians, progress=progress, overwrite=args.force
+    )
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"wrote {args.out}: {summary['bytes'] / 2**30:.3f} GiB in {summary['seconds']:.1f} s, "
+        f"peak RSS {peak_mb:.0f} MB"
+    )
+    if summary["kept_fp16"]:
+        print(
+            f"kept in fp16 (input width not a multiple of the group): {len(summary['kept_fp16'])} "
+            f"tensors, e.g. {summary['kept_fp16'][0]}"
+        )
+    return 0
+
+
+def _calibration_hessians(args: argparse.Namespace) -> dict:
+    from edgemtp.model.checkpoint import load_target
+    from edgemtp.quantize.gptq import collect_hessians
+    from edgemtp.runtime.tokenizer import load_tokenizer
+
+    if args.calib is None:
+        raise EdgeMTPError("--method gptq needs --calib FILE (a few thousand tokens of text)")
+    if not args.calib.is_file():
+        raise EdgeMTPError(f"--calib {args.calib}: no such file")
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer is None:
+        raise EdgeMTPError(f"{args.model}: no tokenizer.json to read the calibration text with")
+    ids = tokenizer.encode_prompt(args.calib.read_text(errors="replace"))[: args.calib_tokens]
+    target = load_target(args.model)
+    chunk = 512
+    sequences = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
+    return collect_hessians(target, sequences)
+
+
 def run_synth(args: argparse.Namespace) -> int:
     from edgemtp.model.synth import write_preset
 
@@ -202,9 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_synth(sub)
+    _add_quantize(sub)
     args = parser.parse_args(argv)
+    commands = {"generate": run_generate, "synth": run_synth, "quantize": run_quantize}
     try:
-        return {"generate": run_generate, "synth": run_synth}[args.command](args)
+        return commands[args.command](args)
     except EdgeMTPError as err:
         print(f"edgemtp {args.command}: error: {err}", file=sys.stderr)
         return 1

@@ -11,8 +11,11 @@ import json
 import math
 import mmap
 import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from edgemtp.errors import EdgeMTPError
@@ -110,3 +113,96 @@ class SafetensorsFile:
             offset=self._data_start + begin,
         )
         return flat.view(shape)
+
+
+# --- writing, one tensor at a time -----------------------------------------------------------
+
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor to be written: its safetensors dtype code and shape, data produced later."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+def header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def plan_shards(entries: list[TensorEntry], shard_bytes: int) -> list[list[TensorEntry]]:
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def write_tensors(
+    folder: Path,
+    entries: list[TensorEntry],
+    produce: Callable[[TensorEntry], Iterable[np.ndarray]],
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Write `model.safetensors` (or HF-style shards plus an index) into `folder`, streaming:
+    the header first, then each tensor's bytes as `produce(entry)` yields them."""
+    shards = plan_shards(entries, shard_bytes)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for file_name, shard in zip(names, shards, strict=True):
+        with open(folder / file_name, "wb") as f:
+            f.write(header_bytes(shard))
+            for e in shard:
+                written = 0
+                for chunk in produce(e):
+                    data = np.ascontiguousarray(chunk)
+                    f.write(memoryview(data).cast("B"))
+                    written += data.nbytes
+                if written != e.nbytes:
+                    raise ValueError(f"{e.name}: produced {written} bytes, expected {e.nbytes}")
+                if progress:
+                    progress(f"{e.name} {'x'.join(map(str, e.shape))} {e.dtype}")
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in entries)},
+            "weight_map": {e.name: n for n, s in zip(names, shards, strict=True) for e in s},
+        }
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
