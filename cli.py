@@ -1,4 +1,4 @@
-"""`edgemtp` command line: generate, synth, quantize."""
+"""`edgemtp` command line: generate, synth, quantize, quantize-report."""
 
 from __future__ import annotations
 
@@ -88,6 +88,21 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--force", action="store_true", help="replace an existing checkpoint at --out")
+    p.add_argument("--report", type=Path, metavar="TEXT", help="then run quantize-report on TEXT")
+    p.add_argument("--drafter", type=Path, help="float drafter, for the report's MTP acceptance")
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize-report", help="what quantization cost, on a text file")
+    p.add_argument("--model", required=True, type=Path, help="float target checkpoint")
+    p.add_argument("--quantized", required=True, type=Path, help="quantized target (any format)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", type=Path, help="text file (needs tokenizer.json with --model)")
+    src.add_argument("--text-ids", type=Path, help="file of token ids (comma/space separated)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of the text to score")
+    p.add_argument("--drafter", type=Path, help="float drafter (MTP acceptance before)")
+    p.add_argument("--quantized-drafter", type=Path, help="quantized drafter (after)")
+    p.add_argument("--out", type=Path, help="write OUT.json, OUT.txt and OUT.png")
 
 
 def _check_positive(name: str, value: int | None, minimum: int = 1) -> None:
@@ -241,6 +256,72 @@ def run_quantize(args: argparse.Namespace) -> int:
             f"kept in fp16 (input width not a multiple of the group): {len(summary['kept_fp16'])} "
             f"tensors, e.g. {summary['kept_fp16'][0]}"
         )
+    if args.report:
+        report_args = argparse.Namespace(
+            model=args.model,
+            quantized=args.out,
+            text=args.report,
+            text_ids=None,
+            tokens=2048,
+            drafter=args.drafter,
+            quantized_drafter=None,
+            out=args.out / "quantization_report",
+        )
+        return run_report(report_args)
+    return 0
+
+
+def _report_ids(args: argparse.Namespace) -> list[int]:
+    from edgemtp.runtime.tokenizer import load_tokenizer
+
+    path = args.text or args.text_ids
+    if not path.is_file():
+        raise EdgeMTPError(f"{path}: no such file")
+    if args.text_ids:
+        try:
+            return [int(t) for t in path.read_text().replace(",", " ").split()][: args.tokens + 1]
+        except ValueError:
+            raise EdgeMTPError(f"{path}: expected integers separated by commas or spaces") from None
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer is None:
+        raise EdgeMTPError(f"{args.model}: no tokenizer.json; pass --text-ids instead of --text")
+    return tokenizer.encode_prompt(path.read_text(errors="replace"))[: args.tokens + 1]
+
+
+def run_report(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from edgemtp.model.checkpoint import load_drafter, load_target
+    from edgemtp.quantize.report import build_report, plot_weight_error
+
+    ids = _report_ids(args)
+    reference, quantized = load_target(args.model), load_target(args.quantized)
+    if reference.cfg.layers != quantized.cfg.layers:
+        raise EdgeMTPError(f"{args.quantized} is not a quantization of {args.model}")
+    drafters = None
+    if args.drafter:
+        float_drafter = load_drafter(args.drafter, reference.cfg)
+        q_drafter = (
+            load_drafter(args.quantized_drafter, quantized.cfg)
+            if args.quantized_drafter
+            else float_drafter
+        )
+        drafters = (float_drafter, q_drafter)
+
+    def progress(msg: str) -> None:
+        print(f"report: {msg}", file=sys.stderr, flush=True)
+
+    with torch.no_grad():
+        report = build_report(reference, quantized, ids, drafters, progress)
+    print(report.table())
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(report.as_dict(), indent=1))
+        args.out.with_suffix(".txt").write_text(report.table() + "\n")
+        plot_weight_error(report, args.out.with_suffix(".png"), args.quantized.name)
+        print(f"wrote {args.out}.json, .txt and .png")
     return 0
 
 
@@ -291,8 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_synth(sub)
     _add_quantize(sub)
+    _add_report(sub)
     args = parser.parse_args(argv)
-    commands = {"generate": run_generate, "synth": run_synth, "quantize": run_quantize}
+    commands = {
+        "generate": run_generate,
+        "synth": run_synth,
+        "quantize": run_quantize,
+        "quantize-report": run_report,
+    }
     try:
         return commands[args.command](args)
     except EdgeMTPError as err:
