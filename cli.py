@@ -96,9 +96,12 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize-report", help="what quantization cost, on a text file")
     p.add_argument("--model", required=True, type=Path, help="float target checkpoint")
     p.add_argument("--quantized", required=True, type=Path, help="quantized target (any format)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", type=Path, help="text file (needs tokenizer.json with --model)")
-    src.add_argument("--text-ids", type=Path, help="file of token ids (comma/space separated)")
+    p.add_argument(
+        "--text",
+        type=Path,
+        required=True,
+        help="text (with the model's tokenizer.json) or, for models without one, token ids",
+    )
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the text to score")
     p.add_argument("--drafter", type=Path, help="float drafter (MTP acceptance before)")
     p.add_argument("--quantized-drafter", type=Path, help="quantized drafter (after)")
@@ -261,7 +264,6 @@ def run_quantize(args: argparse.Namespace) -> int:
             model=args.model,
             quantized=args.out,
             text=args.report,
-            text_ids=None,
             tokens=2048,
             drafter=args.drafter,
             quantized_drafter=None,
@@ -269,23 +271,6 @@ def run_quantize(args: argparse.Namespace) -> int:
         )
         return run_report(report_args)
     return 0
-
-
-def _report_ids(args: argparse.Namespace) -> list[int]:
-    from edgemtp.runtime.tokenizer import load_tokenizer
-
-    path = args.text or args.text_ids
-    if not path.is_file():
-        raise EdgeMTPError(f"{path}: no such file")
-    if args.text_ids:
-        try:
-            return [int(t) for t in path.read_text().replace(",", " ").split()][: args.tokens + 1]
-        except ValueError:
-            raise EdgeMTPError(f"{path}: expected integers separated by commas or spaces") from None
-    tokenizer = load_tokenizer(args.model)
-    if tokenizer is None:
-        raise EdgeMTPError(f"{args.model}: no tokenizer.json; pass --text-ids instead of --text")
-    return tokenizer.encode_prompt(path.read_text(errors="replace"))[: args.tokens + 1]
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -296,7 +281,7 @@ def run_report(args: argparse.Namespace) -> int:
     from edgemtp.model.checkpoint import load_drafter, load_target
     from edgemtp.quantize.report import build_report, plot_weight_error
 
-    ids = _report_ids(args)
+    ids = _token_file(args.text, args.model, args.tokens + 1)
     reference, quantized = load_target(args.model), load_target(args.quantized)
     if reference.cfg.layers != quantized.cfg.layers:
         raise EdgeMTPError(f"{args.quantized} is not a quantization of {args.model}")
@@ -328,20 +313,32 @@ def run_report(args: argparse.Namespace) -> int:
 def _calibration_hessians(args: argparse.Namespace) -> dict:
     from edgemtp.model.checkpoint import load_target
     from edgemtp.quantize.gptq import collect_hessians
-    from edgemtp.runtime.tokenizer import load_tokenizer
 
     if args.calib is None:
         raise EdgeMTPError("--method gptq needs --calib FILE (a few thousand tokens of text)")
-    if not args.calib.is_file():
-        raise EdgeMTPError(f"--calib {args.calib}: no such file")
-    tokenizer = load_tokenizer(args.model)
-    if tokenizer is None:
-        raise EdgeMTPError(f"{args.model}: no tokenizer.json to read the calibration text with")
-    ids = tokenizer.encode_prompt(args.calib.read_text(errors="replace"))[: args.calib_tokens]
+    ids = _token_file(args.calib, args.model, args.calib_tokens)
     target = load_target(args.model)
     chunk = 512
-    sequences = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
-    return collect_hessians(target, sequences)
+    return collect_hessians(target, [ids[i : i + chunk] for i in range(0, len(ids), chunk)])
+
+
+def _token_file(path: Path, model: Path, limit: int) -> list[int]:
+    """Text encoded with the model's tokenizer.json or, for a model without one, a file of
+    token ids separated by commas or spaces."""
+    from edgemtp.runtime.tokenizer import load_tokenizer
+
+    if not path.is_file():
+        raise EdgeMTPError(f"{path}: no such file")
+    text = path.read_text(errors="replace")
+    tokenizer = load_tokenizer(model)
+    if tokenizer is not None:
+        return tokenizer.encode_prompt(text)[:limit]
+    try:
+        return [int(t) for t in text.replace(",", " ").split()][:limit]
+    except ValueError:
+        raise EdgeMTPError(
+            f"{model} has no tokenizer.json, so {path} must hold token ids (commas or spaces)"
+        ) from None
 
 
 def run_synth(args: argparse.Namespace) -> int:

@@ -89,6 +89,10 @@ class TensorSource:
         """A stored tensor as it is in the file (memory-mapped)."""
         return self.where[name].tensor(name)
 
+    def raw_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows of a stored tensor read into fresh memory, for streaming through big tables."""
+        return self.where[name].read_rows(name, start, stop)
+
     def names(self) -> list[str]:
         """Names of the weights this checkpoint provides (quantized ones under their float name)."""
         return list(self.where)

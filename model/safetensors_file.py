@@ -101,6 +101,17 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]
 
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor, read into fresh memory (no mapping left resident):
+        for streaming through tables larger than the memory one wants to use."""
+        dtype, shape, begin, _ = self._entries[name]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        stop = min(stop, shape[0])
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + begin + start * row_bytes)
+            data = bytearray(f.read((stop - start) * row_bytes))
+        return torch.frombuffer(data, dtype=dtype).view(stop - start, *shape[1:])
+
     def tensor(self, name: str) -> torch.Tensor:
         """A zero-copy view of the mapped file (pages load on first touch)."""
         dtype, shape, begin, end = self._entries[name]

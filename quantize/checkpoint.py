@@ -327,7 +327,7 @@ def quantize_checkpoint(
         else:  # q4_0 / int8 / fp16, row chunks so a 2 GiB table never sits in memory as fp32
             suffix = entry.name.rpartition(".")[2]
             for start in range(0, w.shape[0], _TABLE_CHUNK_ROWS):
-                rows = w[start : start + _TABLE_CHUNK_ROWS].float()
+                rows = source.raw_rows(name, start, start + _TABLE_CHUNK_ROWS).float()
                 if kind == "q4_0":
                     q = quantize_q4_0(rows, name)
                     yield pack_q4_0(q)

@@ -67,7 +67,7 @@ def test_report_numbers(tmp_path, capsys):
             str(float_dir),
             "--quantized",
             str(q_dir),
-            "--text-ids",
+            "--text",
             str(ids_file),
             "--out",
             str(out),
