@@ -216,3 +216,21 @@ def test_bad_inputs_leave_nothing_behind(hf_folder, tmp_path, capsys):
     (q4 / "config.json").write_text(json.dumps(config))
     with pytest.raises(EdgeMTPError, match="int-quantized"):
         load_target(q4)
+
+
+def test_quantized_pair_decodes_with_mtp(tmp_path):
+    from edgemtp.model.checkpoint import load_drafter
+    from edgemtp.model.synth import write_preset
+    from edgemtp.runtime.generate import generate
+
+    target_dir = write_preset("tiny", tmp_path / "t")
+    drafter_dir = write_preset("tiny-assistant", tmp_path / "a")
+    for name, folder in (("tq", target_dir), ("aq", drafter_dir)):
+        quantize_checkpoint(folder, tmp_path / name, Settings(scheme="q4_0", ple="q4_0"))
+    target = load_target(tmp_path / "tq")
+    drafter = load_drafter(tmp_path / "aq", target.cfg)
+    assert drafter.source.quantized("pre_projection.weight") is not None
+    assert drafter.source.quantized("masked_embedding.centroids.weight") is not None
+    ar = generate(target, [2, 10, 11, 12], 40)
+    mtp = generate(target, [2, 10, 11, 12], 40, drafter=drafter, mtp_depth=3)
+    assert mtp.tokens == ar.tokens
