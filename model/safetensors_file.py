@@ -198,7 +198,10 @@ def write_tensors(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    for file_name, shard in zip(names, shards, strict=True):
+    for k, (file_name, shard) in enumerate(zip(names, shards, strict=True), start=1):
+        if progress:
+            size = sum(e.nbytes for e in shard) / 2**20
+            progress(f"[{k}/{len(shards)}] {file_name}: {len(shard)} tensors, {size:.1f} MiB")
         with open(folder / file_name, "wb") as f:
             f.write(header_bytes(shard))
             for e in shard:

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import struct
 import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from edgemtp.model.config import (
     parse_assistant_config,
     parse_text_config,
 )
+from edgemtp.model.safetensors_file import TensorEntry, write_tensors
 
 PRESETS: tuple[str, ...] = (
     "e2b",
@@ -397,69 +397,29 @@ def _make_chunk(
     return _encode(x, dtype)
 
 
-def _header_bytes(specs: list[TensorSpec], dtype: str) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec in specs:
-        end = offset + spec.nbytes(dtype)
-        header[spec.name] = {
-            "dtype": spec.st_dtype(dtype),
-            "shape": list(spec.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _plan_shards(specs: list[TensorSpec], dtype: str, shard_size: int) -> list[list[TensorSpec]]:
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for spec in specs:
-        nbytes = spec.nbytes(dtype)
-        if shards[-1] and size + nbytes > shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += nbytes
-    return shards
-
-
-def _write_shard(
-    path: Path,
+def _producer(
     specs: list[TensorSpec],
-    *,
     seed: int,
     dtype: str,
     init_std: float,
     pool: ThreadPoolExecutor,
     lookahead: int,
-    progress: Callable[[str], None],
-) -> None:
-    jobs: Iterator[tuple[TensorSpec, int, tuple[int, int]]] = (
-        (spec, i, span) for spec in specs for i, span in enumerate(_chunks(spec))
-    )
-    pending: deque[tuple[TensorSpec, int, Future[np.ndarray]]] = deque()
+) -> Callable[[TensorEntry], Iterator[np.ndarray]]:
+    """Chunks of each tensor, generated `lookahead` at a time on the pool, yielded in order."""
+    by_name = {spec.name: spec for spec in specs}
 
-    def submit() -> bool:
-        job = next(jobs, None)
-        if job is None:
-            return False
-        spec, i, span = job
-        pending.append((spec, i, pool.submit(_make_chunk, spec, i, span, seed, dtype, init_std)))
-        return True
-
-    with open(path, "wb") as f:
-        f.write(_header_bytes(specs, dtype))
-        while len(pending) < lookahead and submit():
-            pass
+    def produce(entry: TensorEntry) -> Iterator[np.ndarray]:
+        spec = by_name[entry.name]
+        jobs = iter(enumerate(_chunks(spec)))
+        pending: deque[Future[np.ndarray]] = deque()
+        for i, span in jobs:
+            pending.append(pool.submit(_make_chunk, spec, i, span, seed, dtype, init_std))
+            if len(pending) >= lookahead:
+                yield pending.popleft().result()
         while pending:
-            spec, i, future = pending.popleft()
-            if i == 0:
-                progress(f"  {spec.name} {'x'.join(map(str, spec.shape))}")
-            f.write(memoryview(future.result()).cast("B"))
-            submit()
+            yield pending.popleft().result()
+
+    return produce
 
 
 def write_preset(
@@ -500,39 +460,15 @@ def write_preset(
         )
     say = progress or (lambda _msg: None)
     specs = tensor_specs(config)
-    shards = _plan_shards(specs, dtype, shard_size)
     total = sum(s.nbytes(dtype) for s in specs)
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
-    )
+    entries = [TensorEntry(s.name, s.st_dtype(dtype), tuple(s.shape)) for s in specs]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     try:
         with ThreadPoolExecutor(workers) as pool:
-            for k, (name, shard) in enumerate(zip(names, shards, strict=True), start=1):
-                size = sum(s.nbytes(dtype) for s in shard)
-                say(f"[{k}/{len(shards)}] {name}: {len(shard)} tensors, {size / 2**20:.1f} MiB")
-                _write_shard(
-                    tmp / name,
-                    shard,
-                    seed=seed,
-                    dtype=dtype,
-                    init_std=init_std,
-                    pool=pool,
-                    lookahead=workers + 1,
-                    progress=say,
-                )
-        if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": {
-                    s.name: n for n, shard in zip(names, shards, strict=True) for s in shard
-                },
-            }
-            _write_json(tmp / "model.safetensors.index.json", index)
+            produce = _producer(specs, seed, dtype, init_std, pool, workers + 1)
+            write_tensors(tmp, entries, produce, shard_bytes=shard_size, progress=say)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(config))
         tmp.chmod(0o755)
