@@ -310,22 +310,22 @@ def quantize_checkpoint(
         for e in _entries(name, shape, dt, kind, settings)
     }
     cache: dict[str, dict[str, torch.Tensor]] = {}
+    row_scales: dict[str, list[torch.Tensor]] = {}
     errors: dict[str, list[float]] = {}
 
     def produce(entry: TensorEntry) -> Iterator[np.ndarray]:
         name, kind = owner[entry.name]
         w = source.raw(name)
         if kind == "keep":
-            yield (
-                w.contiguous().view(torch.uint8).numpy() if w.dtype == torch.bfloat16 else w.numpy()
-            )
+            yield _bytes(w)
         elif kind == "w4a16":
             if name not in cache:
                 cache.clear()
                 cache[name] = _w4a16_tensors(name, w, settings, hessians, errors)
             yield _bytes(cache[name][entry.name.rpartition(".")[2]])
+        elif entry.name.endswith("weight_row_scale"):  # computed with the int8 values before it
+            yield torch.cat(row_scales.pop(name)).numpy()
         else:  # q4_0 / int8 / fp16, row chunks so a 2 GiB table never sits in memory as fp32
-            suffix = entry.name.rpartition(".")[2]
             for start in range(0, w.shape[0], _TABLE_CHUNK_ROWS):
                 rows = source.raw_rows(name, start, start + _TABLE_CHUNK_ROWS).float()
                 if kind == "q4_0":
@@ -334,11 +334,11 @@ def quantize_checkpoint(
                     _track_error(errors, name, rows, dequantize_q4_0(q), start)
                 elif kind == "int8":
                     values, scales = quantize_int8_rows(rows)
-                    yield (values if suffix == "weight_int8" else scales).numpy()
-                    if suffix == "weight_int8":
-                        _track_error(
-                            errors, name, rows, values.float() * scales.float()[:, None], start
-                        )
+                    yield values.numpy()
+                    row_scales.setdefault(name, []).append(scales)
+                    _track_error(
+                        errors, name, rows, values.float() * scales.float()[:, None], start
+                    )
                 else:
                     half = rows.half()
                     yield half.numpy()
