@@ -1,0 +1,107 @@
+"""W4A16 round-to-nearest vs GPTQ on the same checkpoint and text: what the better rounding buys.
+
+Quantizes with both methods (same group, calibration on the first part of the text, evaluation on
+the rest), then runs the quantization report for each. Writes a table (MD), JSON and a PNG.
+
+Usage:
+  python benchmarks/w4a16_methods.py --model M --text FILE [--group 128] [--work /tmp/w4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from edgemtp.cli import _token_file
+from edgemtp.model.checkpoint import load_target
+from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+from edgemtp.quantize.gptq import collect_hessians
+from edgemtp.quantize.report import build_report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--text", type=Path, required=True, help="text, or token ids without tokenizer")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--eval-tokens", type=int, default=2048)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/w4a16-methods"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/w4a16_methods"))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    ids = _token_file(args.text, args.model, args.calib_tokens + args.eval_tokens + 1)
+    calib, held_out = ids[: args.calib_tokens], ids[args.calib_tokens :]
+    reference = load_target(args.model)
+    with torch.no_grad():
+        hessians = collect_hessians(
+            reference, [calib[i : i + 512] for i in range(0, len(calib), 512)]
+        )
+    rows = {}
+    for method in ("rtn", "gptq"):
+        out = args.work / method
+        settings = Settings(scheme="w4a16", group_size=args.group, method=method)
+        quantize_checkpoint(
+            args.model, out, settings, hessians if method == "gptq" else None, overwrite=True
+        )
+        with torch.no_grad():
+            report = build_report(reference, load_target(out), held_out)
+        rows[method] = report.as_dict()
+        print(f"{method}:\n{report.table()}\n", file=sys.stderr)
+    lines = [
+        "| method | KL nats/token | top-1 agreement | ppl float | ppl quantized "
+        "| mean weight error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method, r in rows.items():
+        err = sum(r["weight_error"].values()) / len(r["weight_error"])
+        lines.append(
+            f"| {method} | {r['kl_mean']:.5f} | {r['top1_agreement']:.2%} | {r['ppl_float']:.3f} "
+            f"| {r['ppl_quantized']:.3f} | {err:.4f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(table + "\n")
+    args.out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "command": " ".join(sys.argv),
+                "group": args.group,
+                "calib_tokens": len(calib),
+                "eval_tokens": len(held_out),
+                "results": rows,
+            },
+            indent=1,
+        )
+    )
+    plot(rows, args.out.with_suffix(".png"))
+
+
+def plot(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.5))
+    methods = list(rows)
+    a.bar(methods, [rows[m]["kl_mean"] for m in methods], color=["tab:gray", "tab:blue"])
+    a.set_ylabel("KL(float || quantized), nats/token")
+    b.bar(
+        methods, [rows[m]["top1_agreement"] * 100 for m in methods], color=["tab:gray", "tab:blue"]
+    )
+    b.set_ylabel("top-1 agreement with float, %")
+    fig.suptitle("W4A16: round-to-nearest vs GPTQ (held-out tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
