@@ -1,0 +1,76 @@
+"""Export forms of two primitives, swapped into a model in place (same weights, same math).
+
+XNNPACK delegates `mean.dim` only over the two innermost dims of a 4-D tensor with keepdim,
+`pow` only with exponent 2, and `F.scaled_dot_product_attention` with a boolean mask and
+`enable_gqa` decomposes into `_safe_softmax` (where/any/logical_not) and `expand` copies, none
+of them delegated: every RMSNorm and attention would split the graph into another delegate
+(148 XNNPACK partitions per tiny verify method, minutes of lowering). The forms here compute
+the same functions with delegated ops only:
+
+- RMSNorm: mean of squares as a 4-D global average pool, `rsqrt` instead of `pow(-0.5)`;
+- attention: the boolean mask becomes an additive mask once per mask tensor, and grouped-query
+  attention is two batched matmuls over KV groups (no K/V repeat). No row is ever fully masked
+  in the static programs (see `static.py`), so the additive form equals the boolean one.
+
+Numerics differ from the eager reference only by float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from edgemtp.model.gemma4 import Attention, RMSNorm, apply_rope
+
+_ADDITIVE: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+def clear_mask_memo() -> None:
+    """Forget converted masks; call at the start of every method call."""
+    _ADDITIVE.clear()
+
+
+def additive_mask(mask: Tensor) -> Tensor:
+    """0 where `mask` attends, -inf elsewhere; converted once per mask tensor."""
+    hit = _ADDITIVE.get(id(mask))
+    if hit is not None and hit[0] is mask:
+        return hit[1]
+    out = torch.where(mask, 0.0, float("-inf"))
+    _ADDITIVE[id(mask)] = (mask, out)
+    return out
+
+
+class ExportRMSNorm(RMSNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.float()
+        d = y.shape[-1]
+        ms = (y * y).reshape(1, -1, 1, d).mean((2, 3), keepdim=True)
+        y = y * torch.rsqrt(ms.reshape(*y.shape[:-1], 1) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.type_as(x)
+
+
+class ExportAttention(Attention):
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, mask: Tensor
+    ) -> Tensor:
+        t, hd, kvh = x.shape[0], self.spec.head_dim, k.shape[0]
+        q = self.q_proj(x).view(t, -1, hd)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(0, 1)  # [heads, T, hd]
+        group = q.shape[0] // kvh
+        scores = torch.bmm(q.reshape(kvh, group * t, hd), k.transpose(1, 2))  # scale 1.0
+        scores = scores.view(kvh, group, t, -1) + additive_mask(mask)
+        probs = torch.softmax(scores, dim=-1).view(kvh, group * t, -1)
+        out = torch.bmm(probs, v).view(kvh * group, t, hd)
+        return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+
+
+def make_exportable(module: nn.Module) -> nn.Module:
+    """Swap every RMSNorm and Attention of `module` to its export form, in place."""
+    for m in module.modules():
+        if type(m) is RMSNorm:
+            m.__class__ = ExportRMSNorm
+        elif type(m) is Attention:
+            m.__class__ = ExportAttention
+    return module

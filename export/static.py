@@ -1,0 +1,285 @@
+"""Static-shape wrappers around the target and drafter: the graphs an export bundle contains.
+
+The wrappers reuse `Gemma4Target` / `Gemma4Drafter` as they are and add only what a static,
+multi-method program needs:
+
+- the KV cache lives in registered buffers of one `StaticCache` module, shared by every method
+  (same module, same buffer names): K/V per owning layer `[kv_heads, slots + 1, head_dim]` and a
+  slot-position vector per attention kind (int64 `[slots + 1]`, -1 = empty). The extra last slot
+  is a trash slot: padding rows are written there, its position stays -1;
+- every graph reads the whole static cache and relies on the position masks, so no shape depends
+  on data; new K/V are written in-graph with `index_copy_` at slot = position % slots;
+- rollback is implicit: a method that writes first marks every slot whose position is >= its
+  first real position as empty (the caller always writes at the committed length, as
+  `KVCache.write` requires), so rejected drafts vanish on the next write and there is no separate
+  rollback call. The drafter never needs it: its mask only admits positions < its own;
+- a final prefill chunk shorter than the static chunk is left-padded: pad rows take the position
+  right after the prompt (so no real row attends to them, and they always see themselves, never a
+  fully masked row), zero embeddings, and are written to the trash slot. A row is a pad iff its
+  position is greater than the last row's.
+
+Embedding and PLE table lookups stay on the host; the graphs take embeddings, PLE rows and
+positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from edgemtp.export.exportable import clear_mask_memo, make_exportable
+from edgemtp.model.config import AttentionKind, TextConfig
+from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target
+from edgemtp.runtime.kv_cache import ring_size
+
+
+@dataclass(frozen=True)
+class StaticShapes:
+    """The static sizes every graph of a bundle is built for."""
+
+    max_context: int
+    max_draft: int
+    chunk: int
+
+    def verify_depths(self) -> tuple[int, ...]:
+        """Draft depths with a verify method (k=0 is plain AR decode)."""
+        return tuple(range(self.max_draft + 1))
+
+
+class _View:
+    """`CacheView` over the static buffers (all slots; positions possibly truncated)."""
+
+    def __init__(self, cache: StaticCache, positions: dict[str, Tensor]):
+        self.cache = cache
+        self.pos = positions
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.cache.k(layer), self.cache.v(layer)
+
+    def positions(self, kind: AttentionKind) -> Tensor:
+        return self.pos[kind]
+
+
+class StaticCache(nn.Module):
+    """The target's KV cache as buffers: `k{i}`/`v{i}` per owning layer, `pos_{kind}` per kind."""
+
+    def __init__(
+        self, cfg: TextConfig, max_context: int, max_draft: int, dtype: torch.dtype = torch.float32
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.slots: dict[str, int] = {}
+        for kind in sorted(set(cfg.layer_types)):
+            ring = min(max_context, ring_size(cfg.sliding_window, max_draft))
+            self.slots[kind] = max_context if kind == "full" else ring
+            self.register_buffer(f"pos_{kind}", torch.full((self.slots[kind] + 1,), -1))
+        self.owners = [spec.index for spec in cfg.layers if spec.owns_kv]
+        for i in self.owners:
+            spec = cfg.layers[i]
+            shape = (spec.num_kv_heads, self.slots[spec.attention] + 1, spec.head_dim)
+            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype))
+            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype))
+
+    def k(self, layer: int) -> Tensor:
+        return getattr(self, f"k{layer}")
+
+    def v(self, layer: int) -> Tensor:
+        return getattr(self, f"v{layer}")
+
+    def pos(self, kind: str) -> Tensor:
+        return getattr(self, f"pos_{kind}")
+
+    def view(self, truncate_at: Tensor | None = None) -> _View:
+        """A cache view; with `truncate_at`, slots at positions >= it read as empty."""
+        out = {}
+        for kind in self.slots:
+            p = self.pos(kind)
+            out[kind] = p if truncate_at is None else torch.where(p >= truncate_at, -1, p)
+        return _View(self, out)
+
+    def write(
+        self, view: _View, new_kv: dict[int, tuple[Tensor, Tensor]], positions: Tensor
+    ) -> None:
+        """Store the rows' K/V (pad rows to the trash slot) and the truncated + new positions."""
+        pad = positions > positions[-1]
+        write_pos = torch.where(pad, -1, positions)
+        slot = {k: torch.where(pad, n, positions % n) for k, n in self.slots.items()}
+        for kind, n in self.slots.items():
+            # No index_put here: ExecuTorch's reinplaced index_put on a temporary followed by the
+            # buffer write-back lets the planner reuse the temporary's memory too early.
+            hit = torch.arange(n + 1)[:, None] == slot[kind][None, :]  # [slots + 1, rows]
+            written = torch.where(hit, write_pos[None, :], -2).amax(1)
+            self.pos(kind).copy_(torch.where(hit.any(1), written, view.pos[kind]))
+        for i, (k, v) in new_kv.items():
+            idx = slot[self.cfg.layers[i].attention]
+            self.k(i).index_copy_(1, idx, k)
+            self.v(i).index_copy_(1, idx, v)
+
+    def reset(self) -> None:
+        """Empty the cache (eager only; a program reset is a prefill at position 0)."""
+        for kind in self.slots:
+            self.pos(kind).fill_(-1)
+        for i in self.owners:
+            self.k(i).zero_()
+            self.v(i).zero_()
+
+
+class StaticTarget(nn.Module):
+    """Target methods over the shared cache: prefill chunks (intermediate/final) and verify."""
+
+    def __init__(self, model: Gemma4Target, kvcache: StaticCache):
+        super().__init__()
+        self.target = model  # distinct attribute names keep weight names distinct across methods
+        self.kvcache = kvcache
+        self.has_ple = model.cfg.hidden_size_per_layer_input > 0
+
+    def _forward(
+        self, embeds: Tensor, token_ple: Tensor, positions: Tensor, rows: str
+    ) -> Tensor | None:
+        clear_mask_memo()
+        view = self.kvcache.view(truncate_at=positions.min())
+        ple = token_ple if self.has_ple else None
+        hidden, new_kv = self.target(embeds, ple, positions, view, rows)  # type: ignore[arg-type]
+        self.kvcache.write(view, new_kv, positions)
+        return hidden
+
+    def prefill_intermediate(self, embeds: Tensor, token_ple: Tensor, positions: Tensor) -> Tensor:
+        """A full chunk that is not the prompt's last: KV-shared layers skipped. Returns the new
+        cache length [1]."""
+        self._forward(embeds, token_ple, positions, "none")
+        return positions[-1:] + 1
+
+    def prefill_final(
+        self, embeds: Tensor, token_ple: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The prompt's last chunk (left-padded): (last hidden [hidden], logits [vocab])."""
+        hidden = self._forward(embeds, token_ple, positions, "last")
+        assert hidden is not None
+        last = hidden[-1]
+        return last, self.target.logits(last)
+
+    def verify(self, embeds: Tensor, token_ple: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """k+1 rows through every layer: (logits [k+1, vocab], hidden [k+1, hidden])."""
+        hidden = self._forward(embeds, token_ple, positions, "all")
+        assert hidden is not None
+        return self.target.logits(hidden), hidden
+
+    def cache_state(self, dummy: Tensor) -> tuple[Tensor, ...]:
+        """Debug method: slot positions per kind, then K and V of every owning layer."""
+        c = self.kvcache
+        out = [c.pos(kind) + 0 for kind in c.slots]
+        for i in c.owners:
+            out += [c.k(i) + dummy, c.v(i) + dummy]
+        return tuple(out)
+
+
+class StaticDrafter(nn.Module):
+    """One draft step reading the target's cache buffers in place (never copying them)."""
+
+    def __init__(self, model: Gemma4Drafter, kvcache: StaticCache):
+        super().__init__()
+        self.drafter = model
+        self.kvcache = kvcache
+
+    def draft_step(
+        self, token_embed: Tensor, hidden: Tensor, position: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(target embedding of the last token [H], hidden [H], position [1]) ->
+        (next hidden [H], token ids [n], their logits [n]); ids cover the whole vocabulary
+        when the drafter has no clustered head."""
+        clear_mask_memo()
+        pos = position[0].item()  # a Python int in eager, an unbacked SymInt under export
+        out_hidden, ids, logits = self.drafter(
+            token_embed,
+            hidden,
+            pos,
+            self.kvcache.view(),  # type: ignore[arg-type]
+        )
+        if ids is None:
+            ids = torch.arange(logits.shape[0])
+        return out_hidden, ids, logits
+
+
+class Method(nn.Module):
+    """One exportable method: forward = `owner.<name>`. Every method module holds its owner
+    under the same attribute, and both owners hold the cache as `kvcache`, so buffer names
+    (`owner.kvcache.k3`, ...) are identical across methods; that is what shares them."""
+
+    def __init__(self, owner: nn.Module, name: str):
+        super().__init__()
+        self.owner = owner
+        self.name = name
+
+    def forward(self, *args: Tensor) -> Tensor | tuple[Tensor, ...]:
+        return getattr(self.owner, self.name)(*args)
+
+
+@dataclass
+class StaticBundle:
+    """The target and drafter wrappers around one shared cache, plus example inputs."""
+
+    shapes: StaticShapes
+    cache: StaticCache
+    target: StaticTarget
+    drafter: StaticDrafter | None
+
+    @classmethod
+    def build(
+        cls,
+        target: Gemma4Target,
+        drafter: Gemma4Drafter | None,
+        shapes: StaticShapes,
+        exportable: bool = True,
+    ) -> StaticBundle:
+        """Wrap the models; `exportable` swaps their norms and attention to the XNNPACK-friendly
+        forms of `exportable.py` in place (the models then belong to the bundle)."""
+        if exportable:
+            make_exportable(target)
+            if drafter is not None:
+                make_exportable(drafter)
+        cfg = target.cfg
+        cache = StaticCache(cfg, shapes.max_context, shapes.max_draft)
+        if shapes.chunk > min(cache.slots.values()):
+            raise ValueError(
+                f"prefill chunk {shapes.chunk} exceeds the smallest cache ({cache.slots})"
+            )
+        return cls(
+            shapes,
+            cache,
+            StaticTarget(target, cache).eval(),
+            StaticDrafter(drafter, cache).eval() if drafter is not None else None,
+        )
+
+    def example_inputs(self, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        cfg = self.target.target.cfg
+        ple = max(cfg.hidden_size_per_layer_input, 1)
+        return (
+            torch.zeros(rows, cfg.hidden_size),
+            torch.zeros(rows, cfg.num_layers, ple),
+            torch.arange(rows),
+        )
+
+    def methods(self, debug: bool = False) -> dict[str, tuple[Method, tuple[Tensor, ...]]]:
+        """Method name -> (module, example inputs) for `torch.export`; `debug` adds
+        `cache_state`."""
+        c = self.shapes.chunk
+        out: dict[str, tuple[Method, tuple[Tensor, ...]]] = {
+            "prefill_intermediate": (
+                Method(self.target, "prefill_intermediate"),
+                self.example_inputs(c),
+            ),
+            "prefill_final": (Method(self.target, "prefill_final"), self.example_inputs(c)),
+        }
+        for k in self.shapes.verify_depths():
+            out[f"verify_{k}"] = (Method(self.target, "verify"), self.example_inputs(k + 1))
+        if debug:
+            out["cache_state"] = (Method(self.target, "cache_state"), (torch.zeros(1),))
+        if self.drafter is not None:
+            h = self.target.target.cfg.hidden_size
+            out["draft_step"] = (
+                Method(self.drafter, "draft_step"),
+                (torch.zeros(h), torch.zeros(h), torch.tensor([1])),
+            )
+        return out

@@ -1,0 +1,142 @@
+"""Static-shape export wrappers: eager equality with the reference engine, pruned prefill graph."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from edgemtp.export.driver import EagerRunner, StaticDriver
+from edgemtp.export.lower import export_methods, ops_per_layer
+from edgemtp.export.static import StaticBundle, StaticShapes
+from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.model.synth import write_preset
+from edgemtp.runtime.generate import generate, prefill
+from edgemtp.runtime.kv_cache import KVCache
+
+SHAPES = StaticShapes(max_context=96, max_draft=2, chunk=8)
+N_NEW = 40  # tiny's window is 16: decoding runs well past it
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("static")
+    write_preset("tiny", root / "t", init_std=0.05)
+    write_preset("tiny-assistant", root / "a", init_std=0.05)
+    return root / "t", root / "a"
+
+
+def _load(paths):
+    target = load_target(paths[0])
+    return target, load_drafter(paths[1], target.cfg)
+
+
+@pytest.fixture(scope="module")
+def reference(paths):
+    return _load(paths)
+
+
+@pytest.fixture()
+def static(paths):
+    """A fresh bundle (its models are swapped to export forms, so never shared)."""
+    target, drafter = _load(paths)
+    bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
+    return bundle, StaticDriver(EagerRunner(bundle), target.tables)
+
+
+def _prompt(n: int = 21) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_static_eager_matches_reference_tokens(reference, static, depth):
+    target, drafter = reference
+    ref = generate(target, _prompt(), N_NEW, drafter=drafter, mtp_depth=depth, prefill_chunk=8)
+    got = static[1].generate(_prompt(), N_NEW, depth)
+    assert got.tokens == ref.tokens
+    assert got.calls["prefill_intermediate"] == 2 and got.calls["prefill_final"] == 1
+    if depth:
+        assert got.drafted == ref.metrics()["drafted"]
+
+
+@pytest.mark.parametrize("n", [1, 8, 13])
+def test_prefill_chunks_and_padding(reference, static, n):
+    target, _ = reference
+    cache = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft)
+    ref_hidden, ref_logits = prefill(target, cache, torch.tensor(_prompt(n)), chunk=8)
+    hidden, logits = static[1].prefill(_prompt(n))
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_draft_step_matches_reference_drafter(reference, static):
+    target, drafter = reference
+    prompt = _prompt()
+    cache = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft)
+    hidden, _ = prefill(target, cache, torch.tensor(prompt), chunk=8)
+    static_hidden, _ = static[1].prefill(prompt)
+    embed = target.tables.embed(torch.tensor([7]))[0]
+    position = len(prompt)
+    ref = drafter.model(embed, hidden, position, cache)
+    got = static[0].drafter.draft_step(embed, static_hidden, torch.tensor([position]))
+    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2], atol=1e-4, rtol=1e-4)
+
+
+class _OracleDrafts(StaticDriver):
+    """Drafts the known greedy continuation, corrupted at every third position, so rounds
+    accept 0, 1 or 2 drafts and the implicit rollback runs in every pattern."""
+
+    def __init__(self, *args, ar_tokens: list[int], prompt_len: int, **kw):
+        super().__init__(*args, **kw)
+        self.ar, self.prompt_len = ar_tokens, prompt_len
+
+    def draft(self, token: int, hidden, position: int, depth: int) -> list[int]:
+        j = position - self.prompt_len
+        out = []
+        for i in range(depth):
+            t = self.ar[j + 1 + i] if j + 1 + i < len(self.ar) else 0
+            out.append((t + 1) % 512 if (j + i) % 3 == 0 else t)
+        return out
+
+
+def test_partial_acceptance_rollback_past_window(reference, static):
+    target, _ = reference
+    ar = generate(target, _prompt(), N_NEW).tokens
+    bundle, _ = static
+    driver = _OracleDrafts(EagerRunner(bundle), target.tables, ar_tokens=ar, prompt_len=21)
+    got = driver.generate(_prompt(), N_NEW, depth=2)
+    assert got.tokens == ar
+    assert 0 < got.accepted < got.drafted
+
+
+def test_intermediate_prefill_has_no_shared_layer_ops(static):
+    bundle, _ = static
+    cfg = bundle.target.target.cfg
+    only = ("prefill_intermediate", "prefill_final")
+    programs = export_methods(bundle, only)
+    inter = ops_per_layer(programs["prefill_intermediate"])
+    final = ops_per_layer(programs["prefill_final"])
+    owned = range(cfg.first_shared_layer)
+    assert sorted(inter) == list(owned)
+    assert all(inter[i] == final[i] for i in owned)
+    assert all(final[i] > 0 for i in range(cfg.first_shared_layer, cfg.num_layers))
+
+
+@pytest.mark.skipif(
+    not os.environ.get("EDGEMTP_SLOW_TESTS"),
+    reason="lowering 7 methods to XNNPACK takes minutes on this host; set EDGEMTP_SLOW_TESTS=1",
+)
+def test_executorch_program_matches_reference_tokens(reference, static, tmp_path):
+    from edgemtp.export.driver import ExecuTorchRunner
+    from edgemtp.export.lower import export_bundle
+
+    target, drafter = reference
+    bundle, _ = static
+    pte = export_bundle(bundle, tmp_path / "tiny.pte")
+    driver = StaticDriver(ExecuTorchRunner(pte, SHAPES), target.tables)
+    for depth in (0, 2):
+        ref = generate(target, _prompt(), N_NEW, drafter=drafter, mtp_depth=depth, prefill_chunk=8)
+        assert driver.generate(_prompt(), N_NEW, depth).tokens == ref.tokens
