@@ -1,1 +1,1 @@
-"""From checkpoint to bundle: static-shape graphs, lowering to ExecuTorch (Core ML and ONNX to come)."""
+"""From checkpoint to bundle: static-shape graphs and their lowering to ExecuTorch."""
