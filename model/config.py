@@ -18,7 +18,6 @@ AttentionKind = Literal["sliding", "full"]
 KVRole = Literal["own", "store", "reuse"]
 
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
-TARGET_MODEL_TYPES = ("gemma4_text", "gemma4")
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 
 
@@ -375,10 +374,3 @@ def parameter_count(text: TextConfig) -> int:
         if text.hidden_size_per_layer_input:
             total += 2 * h * text.hidden_size_per_layer_input + h
     return total
-
-
-def rope_inv_freq_dim(head_dim: int, rope: RopeSpec) -> int:
-    """Number of rotated angle pairs (the rest of the head is position-free)."""
-    if rope.proportional:
-        return int(rope.partial_rotary_factor * head_dim // 2)
-    return head_dim // 2

@@ -14,7 +14,6 @@ Conventions, chosen so the same code can be lowered with static shapes later:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -377,7 +376,3 @@ def full_vocab_logits(ids: Tensor | None, logits: Tensor, vocab: int) -> Tensor:
         return logits
     out = torch.full((vocab,), logits.min().item() - 1.0, dtype=logits.dtype)
     return out.scatter(0, ids, logits)
-
-
-def num_parameters(module: nn.Module) -> int:
-    return sum(math.prod(p.shape) for p in module.parameters())
