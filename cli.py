@@ -169,13 +169,16 @@ def run_generate(args: argparse.Namespace) -> int:
 
     out_ids: list[int] = []
 
+    printed = [0]  # characters of the decoded text already written
+
     def stream(new: list[int]) -> None:
         if args.json:
             return
-        before = tokenizer.decode(out_ids) if tokenizer else ""
         out_ids.extend(new)
         if tokenizer:
-            sys.stdout.write(tokenizer.decode(out_ids)[len(before) :])
+            text = tokenizer.decode(out_ids)
+            sys.stdout.write(text[printed[0] :])
+            printed[0] = len(text)
         else:
             sys.stdout.write("".join(f"{t} " for t in new))
         sys.stdout.flush()
