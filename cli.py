@@ -1,9 +1,10 @@
-"""`edgemtp` command line: generate, synth, quantize, quantize-report."""
+"""`edgemtp` command line: generate, synth, quantize, quantize-report, export."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -106,6 +107,31 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", type=Path, help="float drafter (MTP acceptance before)")
     p.add_argument("--quantized-drafter", type=Path, help="quantized drafter (after)")
     p.add_argument("--out", type=Path, help="write OUT.json, OUT.txt and OUT.png")
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="lower a target (+ MTP drafter) to an ExecuTorch, Core ML or ONNX bundle"
+    )
+    p.add_argument(
+        "--model", required=True, type=Path, help="target: HF folder, quantized folder or .gguf"
+    )
+    p.add_argument("--drafter", type=Path, help="MTP assistant (without: AR-only bundle)")
+    p.add_argument(
+        "--quant",
+        default="auto",
+        choices=["auto", "none", "q4_0", "w4a16"],
+        help="4-bit scheme (float checkpoints are quantized first, group 32); auto = as stored",
+    )
+    p.add_argument("--backend", required=True, choices=["executorch", "coreml", "onnx"])
+    p.add_argument("--delegate", default="cpu", choices=["cpu", "metal", "npu", "htp"])
+    p.add_argument("--max-context", type=int, default=4096, help="tokens the cache holds")
+    p.add_argument("--draft-depth", type=int, default=3, help="most drafts verified at once")
+    p.add_argument(
+        "--prefill-chunk", type=int, help="rows per prefill call (default 128, at most the ring)"
+    )
+    p.add_argument("--out", required=True, type=Path, help="bundle folder to create")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
 
 
 def _check_positive(name: str, value: int | None, minimum: int = 1) -> None:
@@ -344,6 +370,63 @@ def _token_file(path: Path, model: Path, limit: int) -> list[int]:
         ) from None
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import resource
+
+    import torch
+
+    from edgemtp.export.bundle import ExportRequest, export
+    from edgemtp.export.static import StaticShapes
+    from edgemtp.model.checkpoint import open_checkpoint, target_config
+    from edgemtp.runtime.kv_cache import ring_size
+
+    _check_positive("--max-context", args.max_context, 2)
+    _check_positive("--draft-depth", args.draft_depth, 0)
+    _check_positive("--prefill-chunk", args.prefill_chunk)
+    torch.set_num_threads(min(torch.get_num_threads(), 4))
+    if not args.model.exists():
+        raise EdgeMTPError(f"{args.model} does not exist")
+    source = open_checkpoint(args.model)
+    cfg = target_config(source.config, str(source.path))
+    smallest = min(args.max_context, ring_size(cfg.sliding_window, args.draft_depth))
+    chunk = args.prefill_chunk or min(128, smallest)
+    if chunk > smallest:
+        raise EdgeMTPError(
+            f"--prefill-chunk {chunk} exceeds the smallest cache ({smallest} slots: sliding "
+            f"window {cfg.sliding_window} + draft depth {args.draft_depth} + 1); use <= {smallest}"
+        )
+    shapes = StaticShapes(args.max_context, args.draft_depth, chunk)
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed export cleans up like Ctrl-C does
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    request = ExportRequest(
+        args.model,
+        args.drafter,
+        args.quant,
+        args.backend,
+        args.delegate,
+        shapes,
+        args.out,
+        args.force,
+    )
+    manifest = export(request, progress)
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"wrote {args.out}: {size / 2**20:.1f} MiB ({manifest['quantization']['scheme']}, "
+        f"{args.backend}/{args.delegate}, {len(manifest['methods'])} methods) in "
+        f"{time.perf_counter() - t0:.1f} s, peak RSS {peak_mb:.0f} MB"
+    )
+    return 0
+
+
 def run_synth(args: argparse.Namespace) -> int:
     from edgemtp.model.synth import write_preset
 
@@ -373,12 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_synth(sub)
     _add_quantize(sub)
     _add_report(sub)
+    _add_export(sub)
     args = parser.parse_args(argv)
     commands = {
         "generate": run_generate,
         "synth": run_synth,
         "quantize": run_quantize,
         "quantize-report": run_report,
+        "export": run_export,
     }
     try:
         return commands[args.command](args)

@@ -176,6 +176,7 @@ class Target:
     model: Gemma4Target
     tables: TokenTables
     source: TensorSource
+    names: dict[str, str]  # state-dict key of `model` -> the checkpoint tensor it was loaded from
 
     @property
     def path(self) -> Path:
@@ -187,6 +188,7 @@ class Drafter:
     cfg: AssistantConfig
     model: Gemma4Drafter
     source: TensorSource
+    names: dict[str, str]  # state-dict key of `model` -> the checkpoint tensor it was loaded from
 
 
 def target_config(raw: dict[str, Any], where: str) -> TextConfig:
@@ -226,7 +228,7 @@ def load_target(path: Path, dtype: torch.dtype = torch.float32) -> Target:
     _check_no_unknown(source, {*rename.values(), tokens_name, ple_name}, _SHARED_LAYER_EXTRAS)
     model.eval().requires_grad_(False)
     tables = TokenTables(tokens, per_layer, cfg.num_layers, cfg.hidden_size_per_layer_input)
-    return Target(cfg, model, tables, source)
+    return Target(cfg, model, tables, source, rename)
 
 
 def drafter_config(raw: dict[str, Any], where: str) -> AssistantConfig:
@@ -254,4 +256,4 @@ def load_drafter(path: Path, target: TextConfig, dtype: torch.dtype = torch.floa
     _load_module(model, source, rename, dtype)
     _check_no_unknown(source, set(rename.values()), ())
     model.eval().requires_grad_(False)
-    return Drafter(cfg, model, source)
+    return Drafter(cfg, model, source, rename)

@@ -1,0 +1,519 @@
+"""The export bundle: one folder a device runtime needs, described by `manifest.json`.
+
+    BUNDLE/
+      manifest.json          schema, shapes, layer KV roles, cache layout, methods, numerics,
+                             quantization, backend/delegate, and size + SHA-256 of every file
+      model.pte | *.onnx | model.mlpackage/    the compiled program (written by the backend)
+      tables.safetensors     token and per-layer embedding tables in their stored (quantized) form,
+                             memory-mappable; the runtime gathers rows on the host
+      config.json, drafter_config.json         the checkpoints' configs (model shapes, tokens)
+      tokenizer.json, ...    the target's tokenizer files, when it has them
+
+Export writes into a hidden temporary sibling of the output folder and renames it at the end,
+so an interrupted or failed export leaves nothing at `--out`. Same inputs give the same bytes:
+no timestamps, sorted keys, deterministic programs (each backend tests its own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgemtp import __version__
+from edgemtp.errors import EdgeMTPError
+from edgemtp.export.static import StaticBundle, StaticShapes
+from edgemtp.model.checkpoint import Drafter, Target
+from edgemtp.model.config import TextConfig
+from edgemtp.model.gemma4 import Rows, TokenTables
+from edgemtp.model.safetensors_file import SafetensorsFile, TensorEntry, write_tensors
+
+Progress = Callable[[str], None]
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+TABLES = "tables.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+_TABLE_CHUNK_ROWS = 8192
+
+
+@dataclass
+class Lowered:
+    """What a backend wrote into the bundle's temporary folder and what the manifest says of it."""
+
+    files: list[str]  # every file written, relative to the folder (a .mlpackage: each file in it)
+    program: str  # the file or folder the runtime opens (e.g. "model.pte")
+    numerics: dict[str, str]  # weights / activations / accumulation / notes, as really computed
+    details: dict[str, Any] = field(default_factory=dict)  # delegation summary, op counts, ...
+    method_io: dict[str, Any] = field(default_factory=dict)  # backend-level I/O beyond the logical
+
+
+# --- host tables -------------------------------------------------------------------------------
+
+
+def _table_entries(role: str, rows: Rows) -> list[tuple[TensorEntry, Any, str]]:
+    """(entry, stored array, format) for one lookup table in the form the checkpoint stores it."""
+    from edgemtp.quantize.gguf_import import Q8_0Rows
+    from edgemtp.quantize.tables import Int8Rows, Q4_0Rows
+
+    if isinstance(rows, Q4_0Rows | Q8_0Rows):
+        fmt = "q4_0" if isinstance(rows, Q4_0Rows) else "q8_0"
+        raw = rows.raw
+        return [(TensorEntry(f"{role}.{fmt}", "U8", tuple(raw.shape)), raw, fmt)]
+    if isinstance(rows, Int8Rows):
+        return [
+            (TensorEntry(f"{role}.int8", "I8", tuple(rows.values.shape)), rows.values, "int8_row"),
+            (TensorEntry(f"{role}.row_scale", "F16", tuple(rows.scales.shape)), rows.scales, ""),
+        ]
+    if isinstance(rows, torch.Tensor):
+        code = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[rows.dtype]
+        return [(TensorEntry(f"{role}.weight", code, tuple(rows.shape)), rows, code.lower())]
+    raise EdgeMTPError(f"cannot store a {type(rows).__name__} lookup table in a bundle")
+
+
+def _as_bytes(chunk: Any) -> np.ndarray:
+    if isinstance(chunk, torch.Tensor):
+        chunk = chunk.contiguous()
+        if chunk.dtype == torch.bfloat16:
+            chunk = chunk.view(torch.int16)
+        return chunk.numpy()
+    return np.asarray(chunk)
+
+
+def write_tables(tables: TokenTables, folder: Path, progress: Progress) -> dict[str, Any]:
+    """Write the token (and per-layer) tables as stored into `folder/tables.safetensors`,
+    streaming rows; returns the manifest's description of them."""
+    roles = {"token": tables.tokens}
+    if tables.per_layer is not None:
+        roles["ple"] = tables.per_layer
+    stored = [(role, *item) for role, rows in roles.items() for item in _table_entries(role, rows)]
+    arrays = {entry.name: array for _, entry, array, _ in stored}
+
+    def produce(entry: TensorEntry) -> Iterator[np.ndarray]:
+        array = arrays[entry.name]
+        for start in range(0, max(entry.shape[0], 1), _TABLE_CHUNK_ROWS):
+            yield _as_bytes(array[start : start + _TABLE_CHUNK_ROWS])
+
+    tmp = folder / ".tables"
+    tmp.mkdir()
+    write_tensors(tmp, [e for _, e, _, _ in stored], produce, shard_bytes=2**62, progress=None)
+    (tmp / "model.safetensors").rename(folder / TABLES)
+    tmp.rmdir()
+    out: dict[str, Any] = {}
+    for role, rows in roles.items():
+        formats = [fmt for r, _, _, fmt in stored if r == role and fmt]
+        names = [e.name for r, e, _, _ in stored if r == role]
+        out[role] = {"format": formats[0], "shape": list(rows.shape), "tensors": names}
+        progress(f"table {role}: {formats[0]} {rows.shape[0]}x{rows.shape[1]}")
+    out["file"] = TABLES
+    return out
+
+
+def open_tables(bundle: Path, cfg: TextConfig, description: dict[str, Any]) -> TokenTables:
+    """The bundle's tables, memory-mapped: rows are read and dequantized only when looked up."""
+    from edgemtp.quantize.gguf_import import Q8_0Rows
+    from edgemtp.quantize.tables import Int8Rows, Q4_0Rows
+
+    file = SafetensorsFile(Path(bundle) / description["file"])
+
+    def rows(role: str) -> Rows:
+        d = description[role]
+        fmt, cols = d["format"], d["shape"][1]
+        if fmt == "q4_0":
+            return Q4_0Rows(file.tensor(f"{role}.q4_0").numpy(), cols)
+        if fmt == "q8_0":
+            return Q8_0Rows(file.tensor(f"{role}.q8_0").numpy(), cols)
+        if fmt == "int8_row":
+            return Int8Rows(file.tensor(f"{role}.int8"), file.tensor(f"{role}.row_scale"))
+        return file.tensor(f"{role}.weight")
+
+    per_layer = rows("ple") if "ple" in description else None
+    return TokenTables(rows("token"), per_layer, cfg.num_layers, cfg.hidden_size_per_layer_input)
+
+
+# --- manifest pieces ---------------------------------------------------------------------------
+
+
+def layer_roles(cfg: TextConfig) -> list[dict[str, Any]]:
+    """Each layer's attention kind and KV role: owns its cache, stores one that KV-shared layers
+    (and the drafter) read, or reuses a store layer's."""
+    return [
+        {
+            "index": s.index,
+            "attention": s.attention,
+            "kv": {"own": "owns", "store": "stores", "reuse": "reuses"}[s.kv_role],
+            "kv_source": s.kv_source,
+            "head_dim": s.head_dim,
+            "num_kv_heads": s.num_kv_heads,
+            "intermediate_size": s.intermediate_size,
+        }
+        for s in cfg.layers
+    ]
+
+
+def cache_layout(static: StaticBundle) -> dict[str, Any]:
+    """The shared cache buffers: slots per attention kind (full: one per position; sliding: a
+    ring of window + max draft + 1), plus one trash slot at the end of each buffer."""
+    cache = static.cache
+    return {
+        "kinds": {
+            kind: {"slots": n, "ring": n < static.shapes.max_context, "trash_slot": n}
+            for kind, n in cache.slots.items()
+        },
+        "slot_of_position": "position % slots",
+        "buffers": [
+            {
+                "name": name,
+                "shape": list(buf.shape),
+                "dtype": str(buf.dtype).removeprefix("torch."),
+            }
+            for name, buf in cache.named_buffers()
+        ],
+    }
+
+
+def _spec(t: torch.Tensor) -> dict[str, Any]:
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+_INPUT_NAMES = {
+    "draft_step": ("token_embed", "hidden", "position"),
+    "default": ("embeds", "token_ple", "positions"),
+}
+_OUTPUT_NAMES = {
+    "prefill_intermediate": ("cache_length",),
+    "prefill_final": ("hidden", "logits"),
+    "verify": ("logits", "hidden"),
+    "draft_step": ("next_hidden", "token_ids", "logits"),
+}
+
+
+def method_signatures(static: StaticBundle) -> dict[str, Any]:
+    """Every method's inputs and outputs (names, shapes, dtypes), from one eager call each on
+    the example inputs; the cache is emptied again afterwards."""
+    out = {}
+    with torch.no_grad():
+        for name, (module, inputs) in static.methods().items():
+            result = module(*inputs)
+            result = result if isinstance(result, tuple) else (result,)
+            in_names = _INPUT_NAMES.get(name, _INPUT_NAMES["default"])
+            out_names = _OUTPUT_NAMES["verify" if name.startswith("verify_") else name]
+            out[name] = {
+                "inputs": [{"name": n, **_spec(t)} for n, t in zip(in_names, inputs, strict=True)],
+                "outputs": [
+                    {"name": n, **_spec(t)} for n, t in zip(out_names, result, strict=True)
+                ],
+            }
+    static.cache.reset()
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_table(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file under `folder` (POSIX relative paths, sorted)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in files
+        if p.name != MANIFEST
+    }
+
+
+def copy_tokenizer(target_dir: Path, folder: Path) -> list[str]:
+    """Copy the target's tokenizer files that exist (a GGUF file carries none we read)."""
+    if not target_dir.is_dir():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).is_file():
+            shutil.copyfile(target_dir / name, folder / name)
+            copied.append(name)
+    return copied
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Add the size and hash of every file in `folder` and write manifest.json."""
+    manifest = dict(manifest, files=file_table(folder))
+    text = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False)
+    (folder / MANIFEST).write_text(text + "\n")
+    return manifest
+
+
+def verify_files(bundle: Path, manifest: dict[str, Any]) -> None:
+    """Check every file the manifest lists against its size and SHA-256 (and that no file is
+    missing); raises naming the first file that differs."""
+    bundle = Path(bundle)
+    for name, expected in manifest["files"].items():
+        path = bundle / name
+        if not path.is_file():
+            raise EdgeMTPError(f"{bundle}: '{name}' is missing; export the bundle again")
+        if path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
+            raise EdgeMTPError(
+                f"{bundle}: '{name}' does not match its SHA-256 in the manifest (corrupt or "
+                "modified); export the bundle again"
+            )
+
+
+def read_manifest(bundle: Path) -> dict[str, Any]:
+    path = Path(bundle) / MANIFEST
+    if not path.is_file():
+        raise EdgeMTPError(f"{bundle}: no {MANIFEST} (is this an edgemtp export bundle?)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise EdgeMTPError(f"{path}: corrupt manifest ({err}); export the bundle again") from None
+    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    if version != SCHEMA_VERSION:
+        raise EdgeMTPError(
+            f"{path}: manifest schema version {version} (written by edgemtp "
+            f"{manifest.get('edgemtp_version') if isinstance(manifest, dict) else '?'}); this "
+            f"edgemtp {__version__} reads version {SCHEMA_VERSION}: export the bundle again"
+        )
+    return manifest
+
+
+# --- the export --------------------------------------------------------------------------------
+
+BACKENDS = ("executorch", "coreml", "onnx")
+DELEGATES = ("cpu", "metal", "npu", "htp")
+# Which delegates each backend can target, and what to do instead when it cannot.
+SUPPORTED = {
+    "executorch": {"cpu": "XNNPACK", "metal": "Core ML", "npu": "Core ML", "htp": "QNN"},
+    "coreml": {"cpu": "CPU_ONLY", "metal": "CPU_AND_GPU", "npu": "CPU_AND_NE"},
+    "onnx": {"cpu": "CPU EP", "htp": "QNN EP (QDQ)"},
+}
+
+
+def check_pair(backend: str, delegate: str) -> None:
+    if backend not in SUPPORTED:
+        raise EdgeMTPError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    if delegate not in SUPPORTED[backend]:
+        others = [b for b in BACKENDS if delegate in SUPPORTED[b]]
+        raise EdgeMTPError(
+            f"--backend {backend} has no '{delegate}' delegate (it has "
+            f"{', '.join(SUPPORTED[backend])}); for {delegate} use --backend {' or '.join(others)}"
+        )
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    model: Path
+    drafter: Path | None
+    quant: str  # "auto" (as the checkpoint stores it), "none", "q4_0" or "w4a16"
+    backend: str
+    delegate: str
+    shapes: StaticShapes
+    out: Path
+    force: bool = False
+
+
+def _lowerer(backend: str) -> Callable[..., Lowered]:
+    if backend == "executorch":
+        from edgemtp.export.executorch import lower_executorch
+
+        return lower_executorch
+    if backend == "onnx":
+        from edgemtp.export.onnx import lower_onnx
+
+        return lower_onnx
+    from edgemtp.export.coreml import lower_coreml
+
+    return lower_coreml
+
+
+def _stored_scheme(path: Path) -> str:
+    """ "q4_0", "w4a16", "gguf" or "none": how a checkpoint stores its linear weights."""
+    from edgemtp.model.checkpoint import open_checkpoint
+    from edgemtp.quantize.checkpoint import QuantizedSource
+
+    source = open_checkpoint(path)
+    if isinstance(source, QuantizedSource):
+        return source.settings.get("scheme", "w4a16")
+    return "gguf" if path.suffix == ".gguf" else "none"
+
+
+def _prepare(
+    path: Path, quant: str, role: str, scratch: Path, progress: Progress
+) -> tuple[Path, str]:
+    """The checkpoint to load for `quant`: quantized into `scratch` first when it is float and a
+    scheme was asked for; pre-quantized weights are used as they are, never re-quantized."""
+    from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+
+    stored = _stored_scheme(path)
+    if quant in ("auto", stored) or (stored == "gguf" and quant == "q4_0"):
+        return path, stored
+    if stored != "none":
+        raise EdgeMTPError(
+            f"{path} is stored as {stored}; it cannot be exported as --quant {quant} "
+            f"(pre-quantized weights are never re-quantized): pass --quant auto or the float "
+            "checkpoint"
+        )
+    if quant == "none":
+        return path, "none"
+    t0 = time.perf_counter()
+    out = scratch / role
+    quantize_checkpoint(path, out, Settings(scheme=quant, group_size=32))
+    progress(f"quantize {role} to {quant}: {time.perf_counter() - t0:.1f} s")
+    return out, quant
+
+
+def _check_space(out: Path, target: Path, drafter: Path | None) -> None:
+    """Refuse early when the output's file system clearly cannot hold the bundle (about the
+    size of the checkpoints, quantized bundles less)."""
+
+    def size(p: Path) -> int:
+        return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*"))
+
+    need = size(target) + (size(drafter) if drafter else 0)
+    free = shutil.disk_usage(out.parent).free
+    if free < need // 2:
+        raise EdgeMTPError(
+            f"not enough space for {out}: about {need / 2**30:.2f} GiB needed, "
+            f"{free / 2**30:.2f} GiB free on its file system; free space or choose another --out"
+        )
+
+
+def _check_configs(target: Path, drafter: Path | None) -> None:
+    """Fail before any work when the target is not Gemma 4 or the drafter is not its assistant."""
+    from edgemtp.model.checkpoint import drafter_config, open_checkpoint, target_config
+    from edgemtp.model.config import check_drafter_matches
+
+    source = open_checkpoint(target)
+    cfg = target_config(source.config, str(source.path))
+    if drafter is not None:
+        assistant = open_checkpoint(drafter)
+        check_drafter_matches(cfg, drafter_config(assistant.config, str(assistant.path)))
+
+
+def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
+    """Export target (+ drafter) to a bundle at `req.out`; returns the manifest."""
+    from edgemtp.export.weights import attach_int4, int4_counts
+    from edgemtp.model.checkpoint import load_drafter, load_target
+
+    check_pair(req.backend, req.delegate)
+    out = Path(req.out)
+    if out.exists() and not (req.force and (out / MANIFEST).is_file()):
+        raise EdgeMTPError(f"{out} already exists; choose a new folder or pass --force")
+    for p in (req.model, req.drafter):
+        if p is not None and not p.exists():
+            raise EdgeMTPError(f"{p} does not exist")
+    _check_configs(req.model, req.drafter)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_space(out, req.model, req.drafter)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=".edgemtp-quantize.", dir=out.parent))
+    try:
+        stage = time.perf_counter()
+        target_path, scheme = _prepare(req.model, req.quant, "target", scratch, progress)
+        drafter_path = None
+        if req.drafter is not None:
+            drafter_path, _ = _prepare(req.drafter, req.quant, "drafter", scratch, progress)
+        target: Target = load_target(target_path)
+        drafter: Drafter | None = (
+            load_drafter(drafter_path, target.cfg) if drafter_path is not None else None
+        )
+        attach_int4(target.model, target.source, target.names)
+        if drafter is not None:
+            attach_int4(drafter.model, drafter.source, drafter.names)
+        progress(f"load: {time.perf_counter() - stage:.1f} s")
+        static = StaticBundle.build(target.model, drafter.model if drafter else None, req.shapes)
+        stage = time.perf_counter()
+        signatures = method_signatures(static)
+        progress(f"trace: method signatures {time.perf_counter() - stage:.1f} s")
+        extra = {"tables": target.tables} if req.backend == "onnx" else {}  # QDQ calibration
+        lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
+        stage = time.perf_counter()
+        tables = write_tables(target.tables, tmp, progress)
+        (tmp / "config.json").write_text(json.dumps(target.cfg.raw, indent=1, sort_keys=True))
+        if drafter is not None:
+            raw = json.dumps(drafter.cfg.raw, indent=1, sort_keys=True)
+            (tmp / "drafter_config.json").write_text(raw)
+        tokenizer = copy_tokenizer(Path(req.model), tmp)
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "edgemtp_version": __version__,
+            "backend": req.backend,
+            "delegate": req.delegate,
+            "program": lowered.program,
+            "shapes": asdict(req.shapes),
+            "model": {
+                "config": "config.json",
+                "hidden_size": target.cfg.hidden_size,
+                "vocab_size": target.cfg.vocab_size,
+                "num_layers": target.cfg.num_layers,
+                "sliding_window": target.cfg.sliding_window,
+                "first_shared_layer": target.cfg.first_shared_layer,
+                "store_layers": target.cfg.store_layers,
+                "eos_token_ids": list(target.cfg.eos_token_ids),
+                "bos_token_id": target.cfg.bos_token_id,
+                "layers": layer_roles(target.cfg),
+            },
+            "drafter": None
+            if drafter is None
+            else {
+                "config": "drafter_config.json",
+                "num_layers": drafter.cfg.text.num_layers,
+                "hidden_size": drafter.cfg.text.hidden_size,
+                "clustered_head": drafter.cfg.use_ordered_embeddings,
+                "num_centroids": drafter.cfg.num_centroids,
+                "centroid_top_k": drafter.cfg.centroid_top_k,
+            },
+            "cache": cache_layout(static),
+            "methods": signatures,
+            "method_io": lowered.method_io,
+            "quantization": {
+                "scheme": scheme,
+                "int4_linears": int4_counts(target.model, *([drafter.model] if drafter else [])),
+                "tables": {role: d["format"] for role, d in tables.items() if role != "file"},
+            },
+            "numerics": lowered.numerics,
+            "backend_details": lowered.details,
+            "tables": tables,
+            "tokenizer": tokenizer,
+        }
+        manifest = write_manifest(tmp, manifest)
+        progress(f"serialize: {time.perf_counter() - stage:.1f} s")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; a bundle is not
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if err.errno == 28:  # ENOSPC
+            raise EdgeMTPError(
+                f"no space left while writing {out}; nothing was written there: free space or "
+                "choose another --out"
+            ) from None
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return manifest

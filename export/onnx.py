@@ -1,0 +1,1478 @@
+"""ONNX backend: the static methods as ONNX graphs for ONNX Runtime (CPU EP; QDQ for the QNN EP).
+
+How a method becomes a graph. Each method of `StaticBundle.methods()` runs once in eager PyTorch
+under a `TorchDispatchMode` that records every aten op whose inputs depend on a method input, a
+weight or the cache, and emits the equivalent ONNX nodes (`_Tracer`). Ops on constants only are
+folded (their eager result is the constant). This costs one eager forward per method (0.1-0.7 s
+on the tiny model, where `torch.onnx.export(dynamo=True)` took 10-40 s per method here; ~6 s for
+all methods of e2b x0.25), needs no extra package, gives static shapes
+by construction, and lets the backend pick the ONNX form of every linear from the module it came
+from: a linear with `int4_of(linear)` becomes `com.microsoft::MatMulNBits` built from exactly the
+codes and scales of the checkpoint (cpu) or `DequantizeLinear(int4, block) -> MatMul` (htp),
+every other linear an fp32 `Gemm`.
+
+The cache. ONNX has no mutable state, so the cache lives on the host: one preallocated array per
+cache buffer of `StaticCache` (`k{i}`/`v{i}` `[kv_heads, slots + 1, head_dim]`, `pos_{kind}`
+`[slots + 1]`), wrapped once in an `OrtValue` and bound by `IOBinding` as an input of every
+method that reads it: the target and the drafter read the same memory, nothing is copied between
+calls. The in-graph writes of `StaticCache.write` become graph outputs: the new K/V rows
+`[kv_heads, T, head_dim]`, the slot of each row (`slots.{n}`: position % ring, pad rows -> the
+trash slot) and the new slot-position vector, all computed by the graph with `StaticCache`'s
+own code, so rollback, the ring and the trash slot behave exactly as in the eager wrappers. The
+runner writes the rows into its arrays after the call (`k[:, slots] = rows`, O(rows)).
+
+The alternative, binding one OrtValue as both the cache input and a `ScatterElements` output,
+was measured (tiny and e2b x0.25, ctx 1024: ~0.2 ms of scatter kernels per verify against
+~0.05-0.08 ms of host row writes here) and rejected: it is slower and nothing orders the
+in-place scatter after the graph's own reads of the old buffer, so a prefill chunk longer than
+`ring - window` could overwrite sliding entries its attention still reads.
+
+Weights are stored once: every method's `.onnx` file references one `weights.bin` (ONNX external
+data: location, offset, length), deduplicated by initializer name, which is the parameter's
+qualified name and therefore the same in every method.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import types
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from edgemtp.errors import EdgeMTPError
+from edgemtp.export.bundle import Lowered, Progress
+from edgemtp.export.static import StaticBundle, StaticShapes
+from edgemtp.export.weights import Int4Weight, int4_of
+from edgemtp.model.gemma4 import RMSNorm, TokenTables
+
+OPSET = 21  # blockwise int4 DequantizeLinear, uint16 Q/DQ, Gelu(approximate)
+MS_DOMAIN = "com.microsoft"
+FOLDER = "onnx"  # everything this backend writes lives in out_dir/onnx
+INDEX = "methods.json"
+WEIGHTS = "weights.bin"
+ALIGN = 64  # byte alignment of every tensor in weights.bin
+INLINE_BYTES = 1024  # smaller initializers (shapes, scalars, Q/DQ params) stay in the .onnx
+# A DQ(int4) -> MatMul pair (the htp bundle on the CPU EP) fuses to MatMulNBits with
+# accuracy_level 4 (int8 activations) unless this says 0 (fp32, exact weights).
+SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
+QUANT_MAX = 65535  # uint16 activations
+
+aten = torch.ops.aten
+
+_ONNX_TYPE = {
+    torch.float32: TensorProto.FLOAT,
+    torch.float16: TensorProto.FLOAT16,
+    torch.int64: TensorProto.INT64,
+    torch.int32: TensorProto.INT32,
+    torch.bool: TensorProto.BOOL,
+    torch.uint8: TensorProto.UINT8,
+    torch.int8: TensorProto.INT8,
+}
+_NP_OF_ONNX = {
+    TensorProto.FLOAT: np.float32,
+    TensorProto.FLOAT16: np.float16,
+    TensorProto.INT64: np.int64,
+    TensorProto.INT32: np.int32,
+    TensorProto.BOOL: np.bool_,
+    TensorProto.UINT8: np.uint8,
+    TensorProto.INT8: np.int8,
+    TensorProto.UINT16: np.uint16,
+}
+_ONNX_OF_NP = {np.dtype(v): k for k, v in _NP_OF_ONNX.items()}
+
+
+# --- tensors and graphs ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Packed:
+    """An initializer whose bytes are not a numpy array's (4-bit ONNX types)."""
+
+    elem_type: int
+    dims: tuple[int, ...]
+    raw: bytes
+
+
+def _raw(value: np.ndarray | _Packed) -> tuple[int, tuple[int, ...], bytes]:
+    if isinstance(value, _Packed):
+        return value.elem_type, value.dims, value.raw
+    arr = np.asarray(value)  # (not ascontiguousarray: it turns 0-d arrays into 1-d)
+    return _ONNX_OF_NP[arr.dtype], tuple(arr.shape), arr.tobytes(order="C")
+
+
+def pack_nibbles(values: np.ndarray) -> bytes:
+    """4-bit values (0..15, or -8..7 two's complement) two per byte, low nibble first (ONNX
+    int4/uint4 raw layout and MatMulNBits' layout)."""
+    flat = (values.astype(np.int16).reshape(-1) & 0xF).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+class Graph:
+    """One ONNX graph under construction: nodes, named values with their types, initializers."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.tensors: dict[str, np.ndarray | _Packed] = {}
+        self.types: dict[str, tuple[int, tuple[int, ...]]] = {}  # value -> (elem type, shape)
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        # Where each value was computed, as "module path|op|n-th such op in that module call":
+        # the same activation in every method gets the same key (calibration pools them).
+        self.scope = ""
+        self.keys: dict[str, str] = {}
+        self._in_scope: Counter[tuple[str, str]] = Counter()
+        self._count = 0
+
+    def fresh(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def node(
+        self,
+        op: str,
+        inputs: list[str],
+        outputs: list[str] | int = 1,
+        domain: str = "",
+        **attrs: Any,
+    ) -> list[str]:
+        names = (
+            [self.fresh(op.lower()) for _ in range(outputs)]
+            if isinstance(outputs, int)
+            else outputs
+        )
+        self._in_scope[self.scope, op] += 1
+        for i, name in enumerate(names):
+            self.keys[name] = f"{self.scope}|{op}|{self._in_scope[self.scope, op]}|{i}"
+        self.nodes.append(
+            helper.make_node(op, inputs, names, name=self.fresh(op), domain=domain, **attrs)
+        )
+        return names
+
+    def const(self, value: np.ndarray | _Packed, hint: str = "const") -> str:
+        """A constant initializer named by its content (the same constant is stored once)."""
+        elem, dims, raw = _raw(value)
+        digest = hashlib.sha1(f"{elem}{dims}".encode() + raw).hexdigest()[:16]
+        name = f"{hint}.{digest}"
+        self.tensors.setdefault(name, value)
+        self.types[name] = (elem, dims)
+        return name
+
+    def tensor(self, name: str, value: np.ndarray | _Packed) -> str:
+        elem, dims, _ = _raw(value)
+        self.tensors[name] = value
+        self.types[name] = (elem, dims)
+        return name
+
+    def typed(self, name: str, elem: int, shape: Iterable[int]) -> str:
+        self.types[name] = (elem, tuple(int(s) for s in shape))
+        return name
+
+    def prune(self, keep: set[str]) -> None:
+        """Drop nodes, initializers and inputs (except `keep`) no output depends on."""
+        needed = set(self.outputs)
+        kept = []
+        for node in reversed(self.nodes):
+            if any(o in needed for o in node.output):
+                kept.append(node)
+                needed.update(i for i in node.input if i)
+        self.nodes = kept[::-1]
+        self.tensors = {k: v for k, v in self.tensors.items() if k in needed}
+        self.inputs = [i for i in self.inputs if i in needed or i in keep]
+
+    def producers(self) -> dict[str, onnx.NodeProto]:
+        return {o: n for n in self.nodes for o in n.output}
+
+    def model(self, weights: WeightFile | None) -> onnx.ModelProto:
+        """The ModelProto; initializers over INLINE_BYTES go to `weights` (external data)."""
+        inits = []
+        for name in sorted(self.tensors):
+            value = self.tensors[name]
+            elem, dims = self.types[name]
+            t = TensorProto(name=name, data_type=elem, dims=list(dims))
+            if weights is not None and _nbytes(value) > INLINE_BYTES:
+                offset, length = weights.add(name, value)
+                t.data_location = TensorProto.EXTERNAL
+                for k, v in (("location", WEIGHTS), ("offset", offset), ("length", length)):
+                    t.external_data.add(key=k, value=str(v))
+            else:
+                t.raw_data = _raw(value)[2]
+            inits.append(t)
+        info = helper.make_tensor_value_info
+        io = {*self.inputs, *self.outputs, *self.tensors}
+        inner = [o for n in self.nodes for o in n.output if o not in io and o in self.types]
+        graph = helper.make_graph(
+            self.nodes,
+            self.name,
+            [info(n, *self.types[n]) for n in self.inputs],
+            [info(n, *self.types[n]) for n in self.outputs],
+            inits,
+            value_info=[info(n, *self.types[n]) for n in inner],
+        )
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+            producer_name="edgemtp",
+        )
+        model.ir_version = 10
+        return model
+
+
+def _nbytes(value: np.ndarray | _Packed) -> int:
+    return len(value.raw) if isinstance(value, _Packed) else np.asarray(value).nbytes
+
+
+def _identity(value: np.ndarray | _Packed) -> tuple[Any, ...]:
+    """Same memory, same view: the same tensor (weights are views of the same parameters in
+    every method, packed forms are shared objects), so no bytes need comparing."""
+    if isinstance(value, _Packed):
+        return (id(value),)
+    arr = np.asarray(value)
+    return (arr.__array_interface__["data"][0], arr.shape, arr.dtype.str, arr.strides)
+
+
+class WeightFile:
+    """`weights.bin`, written as tensors arrive: every large initializer of every method once,
+    `ALIGN`-aligned, deduplicated by name (a name seen again must hold the same bytes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by close())
+        # name -> (offset, length, identity, sha256)
+        self.entries: dict[str, tuple[int, int, tuple[Any, ...], str]] = {}
+        self.size = 0
+        self.referenced = 0  # bytes referenced by all models together (what copies would cost)
+
+    def add(self, name: str, value: np.ndarray | _Packed) -> tuple[int, int]:
+        self.referenced += _nbytes(value)
+        ident = _identity(value)
+        if name in self.entries:
+            offset, length, known, digest = self.entries[name]
+            if ident != known and hashlib.sha256(_raw(value)[2]).hexdigest() != digest:
+                raise RuntimeError(f"initializer {name} differs between methods")
+            return offset, length
+        raw = _raw(value)[2]
+        pad = -self.size % ALIGN
+        self.file.write(b"\0" * pad)
+        offset = self.size + pad
+        self.file.write(raw)
+        self.size = offset + len(raw)
+        self.entries[name] = (offset, len(raw), ident, hashlib.sha256(raw).hexdigest())
+        return offset, len(raw)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# --- tracing eager methods into graphs ------------------------------------------------------------
+
+
+@dataclass
+class _Weight:
+    name: str  # initializer name (qualified parameter name without the method's "owner.")
+    tensor: Tensor
+    module: nn.Module
+
+
+@dataclass
+class _Mutation:
+    buffer: str  # cache input name
+    source: str  # value written (whole vector for positions, rows for K/V)
+    index: str | None = None  # slot index per row (K/V only)
+
+
+def _np(t: Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+class _Tracer(TorchDispatchMode):
+    """Records the aten ops of one eager method call as ONNX nodes (see the module docstring)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        weights: dict[int, _Weight],
+        cache: dict[int, str],
+        linear: Callable[[_Tracer, str, _Weight, Tensor], str],
+        packed: dict[tuple[int, str], dict[str, Any]],
+    ):
+        super().__init__()
+        self.g = graph
+        self.weights = weights
+        self.cache = cache
+        self.linear = linear  # emits x @ W^T for a weight W (the delegate's 4-bit form)
+        self.packed = packed  # 4-bit forms by (id(Int4Weight), form), shared across methods
+        self.names: dict[int, str] = {}
+        self.keep: list[Any] = []  # every tensor named here stays alive: ids never collide
+        self.transposed: dict[str, _Weight] = {}  # value name -> the weight it transposes
+        self.scalars: dict[int, str] = {}  # .item() value -> the 1-element value it came from
+        self.mutations: list[_Mutation] = []
+        self.mutated: set[int] = set()
+
+    # values
+    def traced(self, t: Any) -> bool:
+        return isinstance(t, Tensor) and (
+            id(t) in self.names or id(t) in self.weights or id(t) in self.cache
+        )
+
+    def name(self, t: Tensor) -> str:
+        if id(t) in self.mutated:
+            raise NotImplementedError("a method reads a cache buffer after writing it")
+        if id(t) in self.names:
+            return self.names[id(t)]
+        if id(t) in self.cache:
+            name = self.cache[id(t)]
+            if name not in self.g.inputs:
+                self.g.inputs.append(name)
+                self.g.typed(name, _ONNX_TYPE[t.dtype], t.shape)
+            return name
+        w = self.weights[id(t)]
+        if w.name not in self.g.tensors:
+            self.g.tensor(w.name, _np(w.tensor))
+        return w.name
+
+    def bind(self, t: Tensor, name: str) -> str:
+        self.names[id(t)] = name
+        self.keep.append(t)
+        self.g.typed(name, _ONNX_TYPE[t.dtype], t.shape)
+        return name
+
+    def input(self, name: str, t: Tensor) -> None:
+        self.g.inputs.append(self.bind(t, name))
+
+    def operand(self, x: Any, dtype: torch.dtype | None = None) -> str:
+        """A traced tensor (cast to `dtype` if needed) or a constant of `dtype`."""
+        if self.traced(x):
+            name = self.name(x)
+            if dtype is not None and x.dtype != dtype:
+                name = self.g.node("Cast", [name], to=_ONNX_TYPE[dtype])[0]
+                self.g.typed(name, _ONNX_TYPE[dtype], x.shape)
+            return name
+        value = torch.as_tensor(x)
+        if dtype is not None:
+            value = value.to(dtype)
+        return self.g.const(_np(value))
+
+    def emit(self, op: str, inputs: list[str], out: Any, domain: str = "", **attrs: Any) -> None:
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        names = self.g.node(op, inputs, len(outs), domain=domain, **attrs)
+        for t, n in zip(outs, names, strict=True):
+            self.bind(t, n)
+
+    def shape_const(self, shape: Iterable[int]) -> str:
+        return self.g.const(np.array(list(shape), dtype=np.int64))
+
+    # dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is aten._local_scalar_dense.default:
+            if self.traced(args[0]):
+                self.scalars[int(out)] = self.name(args[0])
+            return out
+        if func is aten.lift_fresh.default:
+            return self._lift(out)
+        flat, _ = tree_flatten((args, kwargs))
+        if not any(self.traced(t) for t in flat):
+            return out  # constant: folded, its eager value is the constant
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            raise NotImplementedError(f"ONNX export: no translation for {func}")
+        handler(self, out, *args, **kwargs)
+        return out
+
+    def _lift(self, out: Tensor) -> Tensor:
+        """`torch.tensor([x.item()])` (the drafter's position): reconnect it to its source."""
+        if out.dtype == torch.int64 and out.numel() == 1 and int(out) in self.scalars:
+            source = self.scalars.pop(int(out))
+            name = self.g.node("Reshape", [source, self.shape_const(out.shape)])[0]
+            self.bind(out, name)
+        return out
+
+
+# aten op -> emitter; `out` is the eager result (its dtype and shape are the node's).
+_HANDLERS: dict[Any, Callable[..., None]] = {}
+
+
+def _on(*ops: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        for op in ops:
+            _HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+def _arith(op: str) -> Callable[..., None]:
+    def handler(tr: _Tracer, out: Tensor, a: Any, b: Any, *rest: Any, **kw: Any) -> None:
+        if (rest[0] if rest else kw.get("alpha", 1)) != 1:
+            raise NotImplementedError(f"{op} with alpha")
+        tr.emit(op, [tr.operand(a, out.dtype), tr.operand(b, out.dtype)], out)
+
+    return handler
+
+
+def _compare(op: str) -> Callable[..., None]:
+    def handler(tr: _Tracer, out: Tensor, a: Any, b: Any) -> None:
+        dtype = torch.result_type(a, b)
+        tr.emit(op, [tr.operand(a, dtype), tr.operand(b, dtype)], out)
+
+    return handler
+
+
+for _op, _onnx in (("add", "Add"), ("sub", "Sub"), ("mul", "Mul"), ("div", "Div")):
+    _on(getattr(aten, _op).Tensor, getattr(aten, _op).Scalar)(_arith(_onnx))
+for _op, _onnx in (
+    ("eq", "Equal"),
+    ("ge", "GreaterOrEqual"),
+    ("gt", "Greater"),
+    ("le", "LessOrEqual"),
+    ("lt", "Less"),
+):
+    _on(getattr(aten, _op).Tensor, getattr(aten, _op).Scalar)(_compare(_onnx))
+
+
+def _unary(op: str, **attrs: Any) -> Callable[..., None]:
+    def handler(tr: _Tracer, out: Tensor, x: Tensor) -> None:
+        tr.emit(op, [tr.operand(x, out.dtype)], out, **attrs)
+
+    return handler
+
+
+for _op, _onnx in (("neg", "Neg"), ("cos", "Cos"), ("sin", "Sin"), ("tanh", "Tanh")):
+    _on(getattr(aten, _op).default)(_unary(_onnx))
+_on(aten.clone.default)(lambda tr, out, x, **kw: tr.emit("Identity", [tr.name(x)], out))
+
+
+@_on(aten.rsqrt.default)
+def _rsqrt(tr: _Tracer, out: Tensor, x: Tensor) -> None:
+    root = tr.g.node("Sqrt", [tr.operand(x, out.dtype)])[0]
+    tr.emit("Reciprocal", [root], out)
+
+
+@_on(aten.gelu.default)
+def _gelu(tr: _Tracer, out: Tensor, x: Tensor, approximate: str = "none") -> None:
+    tr.emit("Gelu", [tr.name(x)], out, approximate=approximate)
+
+
+@_on(aten.remainder.Scalar, aten.remainder.Tensor)
+def _remainder(tr: _Tracer, out: Tensor, x: Any, n: Any) -> None:
+    fmod = int(out.dtype.is_floating_point)
+    tr.emit("Mod", [tr.operand(x, out.dtype), tr.operand(n, out.dtype)], out, fmod=fmod)
+
+
+@_on(aten.bitwise_and.Tensor, aten.logical_and.default)
+def _and(tr: _Tracer, out: Tensor, a: Any, b: Any) -> None:
+    tr.emit("And", [tr.operand(a, torch.bool), tr.operand(b, torch.bool)], out)
+
+
+@_on(aten.bitwise_and_.Tensor)
+def _and_(tr: _Tracer, out: Tensor, a: Tensor, b: Any) -> None:
+    name = tr.g.node("And", [tr.operand(a, torch.bool), tr.operand(b, torch.bool)])[0]
+    tr.bind(a, name)  # in place: `a` now names the new value
+
+
+@_on(aten.where.self)
+def _where(tr: _Tracer, out: Tensor, cond: Any, a: Any, b: Any) -> None:
+    inputs = [tr.operand(cond, torch.bool), tr.operand(a, out.dtype), tr.operand(b, out.dtype)]
+    tr.emit("Where", inputs, out)
+
+
+@_on(aten._to_copy.default)
+def _to_copy(tr: _Tracer, out: Tensor, x: Tensor, **kw: Any) -> None:
+    tr.emit("Cast", [tr.name(x)], out, to=_ONNX_TYPE[out.dtype])
+
+
+@_on(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.default,
+    aten.expand.default,
+)
+def _reshape(tr: _Tracer, out: Tensor, x: Tensor, *args: Any, **kw: Any) -> None:
+    if x.numel() != out.numel():  # expand
+        tr.emit("Expand", [tr.name(x), tr.shape_const(out.shape)], out)
+    else:
+        tr.emit("Reshape", [tr.name(x), tr.shape_const(out.shape)], out)
+
+
+@_on(aten.squeeze_.dim, aten.unsqueeze_.default)
+def _reshape_(tr: _Tracer, out: Tensor, x: Tensor, *args: Any) -> None:
+    name = tr.g.node("Reshape", [tr.name(x), tr.shape_const(out.shape)])[0]
+    tr.bind(x, name)
+
+
+@_on(aten.transpose.int, aten.t.default, aten.permute.default)
+def _transpose(tr: _Tracer, out: Tensor, x: Tensor, *dims: Any) -> None:
+    rank = x.dim()
+    perm = list(range(rank))
+    if len(dims) == 1:  # permute
+        perm = [d % rank for d in dims[0]]
+    elif len(dims) == 2:
+        a, b = dims[0] % rank, dims[1] % rank
+        perm[a], perm[b] = perm[b], perm[a]
+    else:
+        perm = perm[::-1]
+    tr.emit("Transpose", [tr.name(x)], out, perm=perm)
+    if id(x) in tr.weights and rank == 2:
+        tr.transposed[tr.names[id(out)]] = tr.weights[id(x)]
+
+
+@_on(aten.select.int)
+def _select(tr: _Tracer, out: Tensor, x: Tensor, dim: int, index: int) -> None:
+    idx = tr.g.const(np.array(index % x.shape[dim], dtype=np.int64))
+    tr.emit("Gather", [tr.name(x), idx], out, axis=dim % x.dim())
+
+
+@_on(aten.slice.Tensor)
+def _slice(
+    tr: _Tracer,
+    out: Tensor,
+    x: Tensor,
+    dim: int = 0,
+    start: int | None = None,
+    end: int | None = None,
+    step: int = 1,
+) -> None:
+    n = x.shape[dim]
+    lo, hi, _ = slice(start, end, step).indices(n)
+    consts = [np.array([v], dtype=np.int64) for v in (lo, hi, dim % x.dim(), step)]
+    tr.emit("Slice", [tr.name(x), *(tr.g.const(c) for c in consts)], out)
+
+
+@_on(aten.cat.default)
+def _cat(tr: _Tracer, out: Tensor, tensors: list[Tensor], dim: int = 0) -> None:
+    parts = [tr.operand(t, out.dtype) for t in tensors if t.numel() or tr.traced(t)]
+    tr.emit("Concat", parts, out, axis=dim % out.dim())
+
+
+@_on(aten.mean.dim)
+def _mean(tr: _Tracer, out: Tensor, x: Tensor, dims: list[int], keepdim: bool = False, **kw):
+    axes = tr.g.const(np.array([d % x.dim() for d in dims], dtype=np.int64))
+    tr.emit("ReduceMean", [tr.name(x), axes], out, keepdims=int(keepdim))
+
+
+@_on(aten.amax.default)
+def _amax(tr: _Tracer, out: Tensor, x: Tensor, dims: list[int] = (), keepdim: bool = False):
+    axes = [tr.g.const(np.array([d % x.dim() for d in dims], dtype=np.int64))] if dims else []
+    tr.emit("ReduceMax", [tr.name(x), *axes], out, keepdims=int(keepdim))
+
+
+@_on(aten.min.default)
+def _min(tr: _Tracer, out: Tensor, x: Tensor) -> None:
+    tr.emit("ReduceMin", [tr.name(x)], out, keepdims=0)
+
+
+@_on(aten.any.dim)
+def _any(tr: _Tracer, out: Tensor, x: Tensor, dim: int, keepdim: bool = False) -> None:
+    as_int = tr.g.node("Cast", [tr.operand(x, torch.bool)], to=TensorProto.UINT8)[0]
+    axes = tr.g.const(np.array([dim % x.dim()], dtype=np.int64))
+    hit = tr.g.node("ReduceMax", [as_int, axes], keepdims=int(keepdim))[0]
+    tr.emit("Cast", [hit], out, to=TensorProto.BOOL)
+
+
+@_on(aten._softmax.default)
+def _softmax(tr: _Tracer, out: Tensor, x: Tensor, dim: int, half_to_float: bool) -> None:
+    tr.emit("Softmax", [tr.name(x)], out, axis=dim % x.dim())
+
+
+@_on(aten.topk.default)
+def _topk(tr: _Tracer, out: Any, x: Tensor, k: int, dim: int = -1, largest=True, sorted=True):
+    kk = tr.g.const(np.array([k], dtype=np.int64))
+    tr.emit("TopK", [tr.name(x), kk], out, axis=dim % x.dim(), largest=int(largest), sorted=1)
+
+
+@_on(aten.index.Tensor)
+def _index(tr: _Tracer, out: Tensor, x: Tensor, indices: list[Tensor | None]) -> None:
+    if len(indices) != 1 or indices[0] is None:
+        raise NotImplementedError("ONNX export: only x[idx] on the first dimension")
+    idx = tr.operand(indices[0], torch.int64)
+    if id(x) in tr.weights:
+        tr.bind(out, _gather_rows(tr, tr.weights[id(x)], idx, out))
+    else:
+        tr.emit("Gather", [tr.name(x), idx], out, axis=0)
+
+
+@_on(aten.mm.default, aten.bmm.default, aten.mv.default, aten.matmul.default)
+def _matmul(tr: _Tracer, out: Tensor, a: Tensor, b: Tensor) -> None:
+    if tr.traced(b) and tr.names.get(id(b)) in tr.transposed and a.dim() == 2:
+        tr.bind(out, tr.linear(tr, tr.name(a), tr.transposed[tr.names[id(b)]], out))
+    elif b.dim() == 1:  # matrix @ vector as a [K, 1] matmul (ORT rejects some 1-D forms)
+        column = tr.g.node("Reshape", [tr.operand(b, out.dtype), tr.shape_const((-1, 1))])[0]
+        product = tr.g.node("MatMul", [tr.operand(a, out.dtype), column])[0]
+        tr.emit("Reshape", [product, tr.shape_const(out.shape)], out)
+    else:
+        tr.emit("MatMul", [tr.operand(a, out.dtype), tr.operand(b, out.dtype)], out)
+
+
+@_on(aten.copy_.default)
+def _copy_(tr: _Tracer, out: Tensor, dst: Tensor, src: Any, non_blocking: bool = False) -> None:
+    if id(dst) not in tr.cache:
+        raise NotImplementedError("ONNX export: copy_ into a tensor that is not a cache buffer")
+    name = tr.name(dst)
+    tr.mutations.append(_Mutation(name, tr.operand(src, dst.dtype)))
+    tr.mutated.add(id(dst))
+
+
+@_on(aten.index_copy_.default)
+def _index_copy_(tr: _Tracer, out: Tensor, dst: Tensor, dim: int, index: Any, src: Any) -> None:
+    if id(dst) not in tr.cache or dim != 1:
+        raise NotImplementedError("ONNX export: index_copy_ only into a cache buffer's slots")
+    name = tr.name(dst)
+    tr.mutations.append(_Mutation(name, tr.operand(src, dst.dtype), tr.operand(index, torch.int64)))
+    tr.mutated.add(id(dst))
+
+
+@torch.library.custom_op("edgemtp_onnx::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as one op while tracing, so it becomes one ONNX node (the eager math of
+    `ExportRMSNorm`)."""
+    y = x.float()
+    y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).type_as(x)
+
+
+def _norm_forward(self: RMSNorm, x: Tensor) -> Tensor:
+    weight = self.weight if self.weight is not None else torch.ones(x.shape[-1])
+    return _rms_norm(x, weight, self.eps)
+
+
+@contextmanager
+def fused_norms(*models: nn.Module | None) -> Iterator[None]:
+    """Trace every RMSNorm of `models` as one `SimplifiedLayerNormalization` node: one fused
+    kernel on the CPU EP, QNN's RmsNorm on the HTP, and no rsqrt tensor whose range (zero pad
+    rows give 1/sqrt(eps)) would ruin its int16 scale."""
+    patched = [
+        m
+        for model in models
+        if model is not None
+        for m in model.modules()
+        if isinstance(m, RMSNorm)
+    ]
+    for m in patched:
+        m.forward = types.MethodType(_norm_forward, m)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+@_on(torch.ops.edgemtp_onnx.rms_norm.default)
+def _rms_norm_node(tr: _Tracer, out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
+    inputs = [tr.operand(x, torch.float32), tr.operand(weight, torch.float32)]
+    tr.emit("SimplifiedLayerNormalization", inputs, out, axis=-1, epsilon=eps)
+
+
+# --- weights: the forms a linear takes ------------------------------------------------------------
+
+
+def _check_group(w: Int4Weight, where: str) -> None:
+    g = w.group
+    if g < 16 or g & (g - 1):
+        raise EdgeMTPError(
+            f"{where}: ONNX 4-bit ops need a power-of-two group >= 16, this checkpoint uses "
+            f"{g}; re-quantize with --group 32, 64 or 128"
+        )
+
+
+def nbits_tensors(w: Int4Weight) -> dict[str, np.ndarray]:
+    """MatMulNBits inputs for `w` [N, K]: B uint8 [N, K/group, group/2] (low nibble = even
+    element), scales f32 [N, K/group], zero points (only if not all 8) uint8 [N, ceil(nb/2)]."""
+    n, k = w.shape
+    nb = k // w.group
+    codes = w.codes.numpy().astype(np.uint8).reshape(n, nb, w.group // 2, 2)
+    out = {
+        "B": (codes[..., 0] | (codes[..., 1] << 4)).astype(np.uint8),
+        "scales": w.scales.numpy().astype(np.float32),
+    }
+    if not w.symmetric:
+        zeros = np.concatenate([w.zeros.numpy(), np.zeros((n, nb % 2), np.uint8)], axis=1)
+        pairs = zeros.astype(np.uint8).reshape(n, -1, 2)
+        out["zero_points"] = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+    return out
+
+
+def _packed(tr: _Tracer, q: Int4Weight, form: str) -> dict[str, Any]:
+    """The 4-bit tensors of `q` in `form`, computed once per lowering (not once per method)."""
+    key = (id(q), form)
+    if key not in tr.packed:
+        tr.packed[key] = nbits_tensors(q) if form == "nbits" else qdq_weight_tensors(q)
+    return tr.packed[key]
+
+
+def _nbits_inits(tr: _Tracer, w: _Weight, q: Int4Weight) -> dict[str, str]:
+    names = {}
+    for key, value in _packed(tr, q, "nbits").items():
+        name = f"{w.name}.{key}"
+        if name not in tr.g.tensors:
+            tr.g.tensor(name, value)
+        names[key] = name
+    return names
+
+
+def _linear_cpu(tr: _Tracer, x: str, w: _Weight, out: Tensor) -> str:
+    """x [M, K] @ W^T: MatMulNBits from the checkpoint's 4-bit codes, else an fp32 Gemm."""
+    q = int4_of(w.module)
+    y = tr.g.fresh("linear")
+    if q is None:
+        tr.g.node("Gemm", [x, tr.name(w.tensor)], [y], transB=1)
+        return y
+    _check_group(q, w.name)
+    n, k = q.shape
+    names = _nbits_inits(tr, w, q)
+    inputs = [x, names["B"], names["scales"]]
+    if "zero_points" in names:
+        inputs.append(names["zero_points"])
+    tr.g.node(
+        "MatMulNBits",
+        inputs,
+        [y],
+        domain=MS_DOMAIN,
+        K=k,
+        N=n,
+        bits=4,
+        block_size=q.group,
+        accuracy_level=0,
+    )
+    return y
+
+
+def qdq_weight_tensors(w: Int4Weight) -> dict[str, np.ndarray | _Packed]:
+    """DequantizeLinear inputs for W^T [K, N], blocked along K: int4 (symmetric, zero point 0)
+    or uint4 with uint4 zero points, scales f32 [K/group, N]."""
+    n, k = w.shape
+    nb = k // w.group
+    out: dict[str, np.ndarray | _Packed] = {"scales": np.ascontiguousarray(w.scales.numpy().T)}
+    if w.symmetric:
+        signed = w.signed_codes().numpy().T
+        out["codes"] = _Packed(TensorProto.INT4, (k, n), pack_nibbles(signed))
+    else:
+        out["codes"] = _Packed(TensorProto.UINT4, (k, n), pack_nibbles(w.codes.numpy().T))
+        out["zero_points"] = _Packed(TensorProto.UINT4, (nb, n), pack_nibbles(w.zeros.numpy().T))
+    return out
+
+
+def _linear_qdq(tr: _Tracer, x: str, w: _Weight, out: Tensor) -> str:
+    """x [M, K] @ DequantizeLinear(int4 W^T, block) (the QNN EP's block-quantized MatMul)."""
+    q = int4_of(w.module)
+    if q is None:
+        return _linear_cpu(tr, x, w, out)
+    _check_group(q, w.name)
+    tensors = _packed(tr, q, "qdq")
+    inputs = []
+    for key in ("codes", "scales", "zero_points"):
+        if key in tensors:
+            inputs.append(f"{w.name}.qdq.{key}")
+            if inputs[-1] not in tr.g.tensors:
+                tr.g.tensor(inputs[-1], tensors[key])
+    weight = tr.g.node("DequantizeLinear", inputs, axis=0, block_size=q.group)[0]
+    tr.g.typed(weight, TensorProto.FLOAT, (q.shape[1], q.shape[0]))
+    return tr.g.node("MatMul", [x, weight])[0]
+
+
+def _gather_rows(tr: _Tracer, w: _Weight, idx: str, out: Tensor) -> str:
+    """weight[idx] (the drafter's clustered head): rows of the 4-bit table dequantized in-graph,
+    (code - zero) * scale in fp32 as `Int4Weight.dequantize`; a float weight is gathered."""
+    q = int4_of(w.module)
+    if q is None:
+        return tr.g.node("Gather", [tr.name(w.tensor), idx], axis=0)[0]
+    _check_group(q, w.name)
+    n, k = q.shape
+    names = _nbits_inits(tr, w, q)
+    g = tr.g
+    rows = g.node("Gather", [names["B"], idx], axis=0)[0]  # [r, nb, group/2] uint8
+    lo = g.node("BitwiseAnd", [rows, g.const(np.array(15, np.uint8))])[0]
+    hi = g.node("BitShift", [rows, g.const(np.array(4, np.uint8))], direction="RIGHT")[0]
+    pairs = g.node(
+        "Concat",
+        [g.node("Unsqueeze", [v, g.const(np.array([-1], np.int64))])[0] for v in (lo, hi)],
+        axis=-1,
+    )[0]
+    r = out.shape[0]
+    nb = k // q.group
+    codes = g.node("Reshape", [pairs, tr.shape_const((r, nb, q.group))])[0]
+    if "zero_points" in names:
+        zeros = g.const(q.zeros.numpy().astype(np.float32), hint=f"{w.name}.zeros_f32")
+        zero = g.node(
+            "Unsqueeze",
+            [g.node("Gather", [zeros, idx], axis=0)[0], g.const(np.array([-1], np.int64))],
+        )[0]
+    else:
+        zero = g.const(np.array(8, np.float32))
+    centred = g.node("Sub", [g.node("Cast", [codes], to=TensorProto.FLOAT)[0], zero])[0]
+    scale = g.node("Gather", [names["scales"], idx], axis=0)[0]
+    scale = g.node("Unsqueeze", [scale, g.const(np.array([-1], np.int64))])[0]
+    values = g.node("Mul", [centred, scale])[0]
+    return g.node("Reshape", [values, tr.shape_const((r, k))])[0]
+
+
+# --- methods --------------------------------------------------------------------------------------
+
+_INPUTS = {
+    "target": ("embeds", "token_ple", "positions"),
+    "drafter": ("token_embed", "last_hidden", "position"),
+}
+_OUTPUTS = {
+    "prefill_intermediate": ("length",),
+    "prefill_final": ("hidden", "logits"),
+    "verify": ("logits", "hidden"),
+    "draft_step": ("hidden", "ids", "logits"),
+}
+
+
+def _cache_names(static: StaticBundle) -> dict[int, str]:
+    """Buffer id -> graph input name, for every buffer of the shared cache."""
+    return {id(buf): f"cache.{name}" for name, buf in static.cache.named_buffers()}
+
+
+def _weights_of(module: nn.Module, cache: dict[int, str]) -> dict[int, _Weight]:
+    out = {}
+    for mod_name, mod in module.named_modules():
+        for attr, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+            if id(t) in cache or id(t) in out:
+                continue
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            out[id(t)] = _Weight(name.removeprefix("owner."), t, mod)
+    return out
+
+
+@contextmanager
+def _scopes(module: nn.Module, graph: Graph) -> Iterator[None]:
+    """Keep `graph.scope` = the path of the innermost module running (for `Graph.keys`)."""
+    stack: list[str] = []
+    calls: Counter[str] = Counter()
+
+    def enter(path: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            calls[path] += 1  # a module called twice in one method gets two scopes
+            stack.append(f"{path}#{calls[path]}")
+            graph.scope = stack[-1]
+
+        return hook
+
+    def leave(*_: Any) -> None:
+        stack.pop()
+        graph.scope = stack[-1] if stack else ""
+
+    handles = []
+    for path, sub in module.named_modules():
+        name = path.removeprefix("owner.").removeprefix("owner")
+        handles.append(sub.register_forward_pre_hook(enter(name)))
+        handles.append(sub.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        graph.scope = ""
+
+
+@dataclass
+class MethodGraph:
+    name: str
+    graph: Graph
+    inputs: list[str]  # logical inputs, in call order
+    outputs: list[str]  # logical outputs, in return order
+    cache_inputs: list[str]
+    updates: list[dict[str, str]]  # cache writes (see Runner)
+    seconds: float = 0.0
+
+
+def trace_method(
+    static: StaticBundle,
+    name: str,
+    weights: Literal["nbits", "qdq"],
+    packed: dict[tuple[int, str], dict[str, Any]] | None = None,
+) -> MethodGraph:
+    """Run one method eagerly under the tracer; the cache is restored afterwards. `packed`
+    shares the 4-bit weight forms between the methods of one lowering."""
+    module, example = static.methods()[name]
+    kind = "drafter" if name == "draft_step" else "target"
+    if kind == "drafter":  # a distinctive position, so its .item() is found again (see _lift)
+        example = (*example[:2], torch.tensor([static.shapes.max_context - 1]))
+    cache = _cache_names(static)
+    saved = {n: b.clone() for n, b in static.cache.named_buffers()}
+    graph = Graph(name)
+    linear = _linear_cpu if weights == "nbits" else _linear_qdq
+    tracer = _Tracer(
+        graph, _weights_of(module, cache), cache, linear, {} if packed is None else packed
+    )
+    start = time.perf_counter()
+    args = [t.clone() for t in example]
+    models = (static.target.target, static.drafter.drafter if static.drafter else None)
+    try:
+        with torch.no_grad(), fused_norms(*models), _scopes(module, graph), tracer:
+            for input_name, t in zip(_INPUTS[kind], args, strict=True):
+                tracer.input(input_name, t)
+            result = module(*args)
+    finally:
+        for n, b in static.cache.named_buffers():
+            b.copy_(saved[n])
+    if tracer.scalars:
+        raise NotImplementedError(f"{name}: a value read with .item() steers the graph")
+    results = result if isinstance(result, tuple) else (result,)
+    logical = list(_OUTPUTS["verify" if name.startswith("verify_") else name])
+    for out_name, t in zip(logical, results, strict=True):
+        source = tracer.operand(t)  # a constant output (e.g. ids of a dense head) is fine too
+        graph.node("Identity", [source], [out_name])
+        graph.typed(out_name, _ONNX_TYPE[t.dtype], t.shape)
+        graph.outputs.append(out_name)
+    updates = _cache_outputs(graph, tracer.mutations)
+    graph.prune(keep=set(_INPUTS[kind]))  # logical inputs stay, even unread (token_ple)
+    cache_inputs = [i for i in graph.inputs if i.startswith("cache.")]
+    return MethodGraph(
+        name,
+        graph,
+        list(_INPUTS[kind]),
+        logical,
+        cache_inputs,
+        updates,
+        time.perf_counter() - start,
+    )
+
+
+def _cache_outputs(graph: Graph, mutations: list[_Mutation]) -> list[dict[str, str]]:
+    """Graph outputs for the cache writes, and how the runner applies each: "copy" a whole
+    (small) slot-position vector, or write "rows" at "slots"."""
+    updates: list[dict[str, str]] = []
+    slots: dict[str, str] = {}
+    for m in mutations:
+        buf = m.buffer.removeprefix("cache.")
+        elem, shape = graph.types[m.buffer]
+        if m.index is None:
+            out = f"new.{buf}"
+            graph.node("Identity", [m.source], [out])
+            graph.typed(out, elem, shape)
+            graph.outputs.append(out)
+            updates.append({"kind": "copy", "cache": m.buffer, "output": out})
+            continue
+        rows_shape = graph.types[m.source][1]
+        if m.index not in slots:  # one slot vector per attention kind
+            slots[m.index] = f"slots.{len(slots)}"
+            graph.node("Identity", [m.index], [slots[m.index]])
+            graph.typed(slots[m.index], TensorProto.INT64, (rows_shape[1],))
+            graph.outputs.append(slots[m.index])
+        out = f"rows.{buf}"
+        graph.node("Identity", [m.source], [out])
+        graph.typed(out, elem, rows_shape)
+        graph.outputs.append(out)
+        updates.append({"kind": "rows", "cache": m.buffer, "output": out, "slots": slots[m.index]})
+    return updates
+
+
+# --- activation QDQ (htp) -------------------------------------------------------------------------
+
+
+# Ops that only move values: their outputs lie on their input's quantization grid already.
+_MOVES = {"Identity", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Slice", "Gather", "Expand"}
+
+
+def _activations(graph: Graph) -> tuple[list[str], set[str]]:
+    """Float values computed from a graph input (not from weights only) by an op that is not a
+    pure data movement, in node order: the values that get a Q/DQ pair. Also returns the
+    values computed from integer inputs only (positions: rope angles, masks)."""
+    dynamic = set(graph.inputs)
+    from_ints = {i for i in graph.inputs if graph.types[i][0] != TensorProto.FLOAT}
+    out = []
+    for node in graph.nodes:
+        inputs = [i for i in node.input if i in dynamic]
+        if not inputs:
+            continue
+        dynamic.update(node.output)
+        if all(i in from_ints for i in inputs):
+            from_ints.update(node.output)
+        if node.op_type in _MOVES or node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        out += [o for o in node.output if graph.types.get(o, (0,))[0] == TensorProto.FLOAT]
+    return out, from_ints
+
+
+def _float_inputs(graph: Graph) -> list[str]:
+    return [i for i in graph.inputs if graph.types[i][0] == TensorProto.FLOAT]
+
+
+def quant_params(lo: float, hi: float) -> tuple[float, int] | None:
+    """uint16 asymmetric (scale, zero point) covering [lo, hi] and 0; None if not finite."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    scale = float(np.float32((hi - lo) / QUANT_MAX)) or 1.0 / QUANT_MAX
+    zero = int(min(max(round(-lo / scale), 0), QUANT_MAX))
+    return scale, zero
+
+
+def insert_activation_qdq(
+    graph: Graph, ranges: dict[str, tuple[float, float]], keys: dict[str, str]
+) -> tuple[int, int]:
+    """Put a uint16 QuantizeLinear -> DequantizeLinear pair after every activation (and float
+    graph input) with a finite calibrated range; consumers read the dequantized value. `keys`
+    maps a value to its range key (cache buffers share one). Returns (quantized, left float)."""
+    pairs: dict[str, list[onnx.NodeProto]] = {}
+    renamed: dict[str, str] = {}
+    skipped = 0
+    activations, from_positions = _activations(graph)
+    producers = graph.producers()
+    for value in _float_inputs(graph) + activations:
+        key = keys.get(value, value)
+        params = quant_params(*ranges[key]) if key in ranges else None
+        if value in from_positions:
+            # Rope angles need more than 16 bits over the context and no calibration run sees
+            # every position: they stay float; cos/sin are quantized over their full [-1, 1].
+            bounded = producers[value].op_type in ("Cos", "Sin")
+            params = quant_params(-1.0, 1.0) if bounded else None
+        if params is None:
+            skipped += 1
+            continue
+        scale = graph.const(np.array(params[0], np.float32), hint="qscale")
+        zero = graph.const(np.array(params[1], np.uint16), hint="qzero")
+        elem, shape = graph.types[value]
+        q = graph.typed(graph.fresh(f"{value}.q"), TensorProto.UINT16, shape)
+        dq = graph.typed(graph.fresh(f"{value}.dq"), elem, shape)
+        pairs[value] = [
+            helper.make_node("QuantizeLinear", [value, scale, zero], [q], name=graph.fresh("Q")),
+            helper.make_node("DequantizeLinear", [q, scale, zero], [dq], name=graph.fresh("DQ")),
+        ]
+        renamed[value] = dq
+    nodes: list[onnx.NodeProto] = []
+    for value in graph.inputs:
+        nodes += pairs.pop(value, [])
+    for node in graph.nodes:
+        for i, name in enumerate(node.input):
+            node.input[i] = renamed.get(name, name)
+        nodes.append(node)
+        for o in node.output:
+            nodes += pairs.pop(o, [])
+    graph.nodes = nodes
+    return len(renamed), skipped
+
+
+# --- the bundle -----------------------------------------------------------------------------------
+
+
+def _save(
+    methods: list[MethodGraph], folder: Path, delegate: str, shapes: dict[str, int]
+) -> tuple[list[str], WeightFile, dict[str, Any]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = WeightFile(folder / WEIGHTS)
+    files = []
+    index_methods: dict[str, Any] = {}
+    try:
+        for m in methods:
+            model = m.graph.model(weights)
+            (folder / f"{m.name}.onnx").write_bytes(model.SerializeToString())
+            files.append(f"{m.name}.onnx")
+            index_methods[m.name] = _method_spec(m)
+    finally:
+        weights.close()
+    files.append(WEIGHTS)
+    cache: dict[str, Any] = {}
+    for m in methods:
+        for name in m.cache_inputs:
+            elem, shape = m.graph.types[name]
+            fill = -1 if name.startswith("cache.pos_") else 0
+            cache[name] = {"shape": list(shape), "dtype": _dtype_name(elem), "fill": fill}
+    index = {
+        "format": "edgemtp-onnx/1",
+        "delegate": delegate,
+        "shapes": shapes,
+        "session_config": SESSION_CONFIG,
+        "cache": dict(sorted(cache.items())),
+        "methods": index_methods,
+    }
+    (folder / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    files.append(INDEX)
+    return files, weights, index
+
+
+def _dtype_name(elem: int) -> str:
+    return np.dtype(_NP_OF_ONNX[elem]).name
+
+
+def _method_spec(m: MethodGraph) -> dict[str, Any]:
+    def io(names: list[str]) -> list[dict[str, Any]]:
+        out = []
+        for n in names:
+            elem, shape = m.graph.types[n]
+            out.append({"name": n, "shape": list(shape), "dtype": _dtype_name(elem)})
+        return out
+
+    cache_outputs = [u["output"] for u in m.updates] + sorted(
+        {u["slots"] for u in m.updates if "slots" in u}
+    )
+    return {
+        "file": f"{m.name}.onnx",
+        "inputs": io(m.inputs),
+        "outputs": io(m.outputs),
+        "cache_inputs": m.cache_inputs,
+        "cache_outputs": io(cache_outputs),
+        "updates": m.updates,
+    }
+
+
+def _op_counts(methods: list[MethodGraph]) -> dict[str, dict[str, int]]:
+    return {
+        m.name: dict(sorted(Counter(n.op_type for n in m.graph.nodes).items())) for m in methods
+    }
+
+
+def _numerics(static: StaticBundle, delegate: str) -> dict[str, str]:
+    schemes: dict[str, set[str]] = {}
+    float_linears = 0
+    for model in (static.target.target, static.drafter.drafter if static.drafter else None):
+        if model is None:
+            continue
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                q = int4_of(module)
+                if q is None:
+                    float_linears += 1
+                    continue
+                zp = "zero-point 8 (exact Q4_0 values)" if q.symmetric else "per-group zero points"
+                what = {"q4_0": "Q4_0", "w4a16": "W4A16"}[q.scheme]
+                schemes.setdefault(what, set()).add(f"group {q.group}, {zp}")
+    parts = [f"{k}: {', '.join(sorted(v))}" for k, v in sorted(schemes.items())]
+    float_note = f"{float_linears} linears without a 4-bit form: fp32" if float_linears else ""
+    if delegate == "cpu":
+        weights = "; ".join(
+            [f"int4 via MatMulNBits ({p}; fp32 scales = the checkpoint's)" for p in parts]
+            + ([float_note] if float_note else [])
+        )
+        return {
+            "weights": weights or "fp32",
+            "activations": "fp32",
+            "accumulation": "fp32 (MatMulNBits accuracy_level 0: weights dequantized to fp32, "
+            "fp32 GEMM; session.qdq_matmulnbits_accuracy_level=0)",
+            "cache": "fp32, host arrays bound by IOBinding (zero-copy), rows written by the host",
+            "notes": "RMSNorm as SimplifiedLayerNormalization, GELU as Gelu(tanh), both fp32; "
+            "the drafter's clustered head dequantizes its gathered 4-bit rows in-graph (exact)",
+        }
+    weights = "; ".join(
+        [f"int4 blockwise DequantizeLinear -> MatMul ({p}; exact codes and scales)" for p in parts]
+        + ([float_note] if float_note else [])
+    )
+    return {
+        "weights": weights or "fp32",
+        "activations": "uint16 asymmetric per-tensor Q/DQ after every op computing a float "
+        "activation and on every float input (min/max pooled per activation over a greedy "
+        "calibration run of the float graph, all methods and draft depths); cos/sin over a fixed "
+        "[-1, 1]; left float: rope angles and attention masks (from int positions) and the "
+        "masked scores (-inf); RMSNorm is one SimplifiedLayerNormalization node",
+        "accumulation": "on the QNN HTP: the backend's kernels for int16 activations x int4 "
+        "weights (the QNN EP runs block-quantized MatMul in fp16); on the CPU EP (validation): "
+        "fp32 between Q/DQ pairs, DQ->MatMul fused to MatMulNBits at accuracy_level 0",
+        "cache": "fp32 on the host; quantized to uint16 at every graph input (shared scale "
+        "per cache buffer)",
+    }
+
+
+def _check_delegate(delegate: str) -> None:
+    if delegate in ("cpu", "htp"):
+        return
+    if delegate in ("metal", "npu"):
+        raise EdgeMTPError(
+            f"--backend onnx has no {delegate} delegate: ONNX Runtime's CoreML EP cannot run "
+            "the 4-bit MatMulNBits weights (they would fall back to the CPU); use --backend "
+            f"coreml --delegate {delegate}"
+        )
+    raise EdgeMTPError(f"unknown delegate '{delegate}' for --backend onnx (choose cpu or htp)")
+
+
+def lower_onnx(
+    static: StaticBundle,
+    delegate: str,
+    out_dir: Path,
+    progress: Progress,
+    *,
+    tables: TokenTables | None = None,
+    calibration_prompt: list[int] | None = None,
+) -> Lowered:
+    """Write out_dir/onnx: one .onnx per method, one shared weights.bin, methods.json.
+
+    delegate "cpu": MatMulNBits (fp32 compute) for the CPU EP. delegate "htp": a QDQ model for
+    ORT's QNN EP (int4 blockwise weights, uint16 activations calibrated on greedy runs of the
+    float graph over `calibration_prompt`, default: seeded random ids): needs `tables` (the
+    target's `TokenTables`) to embed the calibration tokens. metal/npu: EdgeMTPError pointing to
+    --backend coreml. Run the result with `OnnxRunner(out_dir / lowered.program, shapes)`.
+    """
+    _check_delegate(delegate)
+    if delegate == "htp" and tables is None:
+        raise ValueError("delegate htp calibrates activations: pass the target's tables")
+    folder = Path(out_dir) / FOLDER
+    for module in (static.target, static.drafter):
+        if module is not None:
+            module.eval().requires_grad_(False)
+    weights_form: Literal["nbits", "qdq"] = "nbits" if delegate == "cpu" else "qdq"
+    methods = []
+    packed: dict[tuple[int, str], dict[str, Any]] = {}
+    for name in static.methods():
+        m = trace_method(static, name, weights_form, packed)
+        methods.append(m)
+        progress(f"trace {name}: {len(m.graph.nodes)} nodes ({m.seconds:.2f}s)")
+    shapes = {
+        "max_context": static.shapes.max_context,
+        "max_draft": static.shapes.max_draft,
+        "chunk": static.shapes.chunk,
+    }
+    details: dict[str, Any] = {}
+    if delegate == "htp":
+        assert tables is not None
+        start = time.perf_counter()
+        ranges = calibrate(methods, folder, static.shapes, tables, calibration_prompt)
+        counts = {}
+        for m in methods:
+            counts[m.name] = insert_activation_qdq(m.graph, ranges, _range_keys(m))
+        details["qdq"] = {name: {"quantized": q, "float": f} for name, (q, f) in counts.items()}
+        progress(f"calibrate + insert Q/DQ ({time.perf_counter() - start:.1f}s)")
+    start = time.perf_counter()
+    files, weights, index = _save(methods, folder, delegate, shapes)
+    progress(
+        f"write {len(files)} files, weights {weights.size / 2**20:.1f} MiB "
+        f"({time.perf_counter() - start:.1f}s)"
+    )
+    details.update(
+        {
+            "ops": _op_counts(methods),
+            "weights_bytes": weights.size,
+            "weights_referenced_bytes": weights.referenced,
+            "cache_io": "host writes the new rows into the bound cache arrays",
+            "opset": OPSET,
+        }
+    )
+    method_io = {
+        name: {
+            "inputs": spec["inputs"],
+            "outputs": spec["outputs"],
+            "cache_inputs": spec["cache_inputs"],
+            "cache_outputs": spec["cache_outputs"],
+        }
+        for name, spec in index["methods"].items()
+    }
+    return Lowered(
+        files=[f"{FOLDER}/{f}" for f in files],
+        program=FOLDER,
+        numerics=_numerics(static, delegate),
+        details=details,
+        method_io=method_io,
+    )
+
+
+def _range_keys(m: MethodGraph) -> dict[str, str]:
+    """Value -> calibration key. The same activation in every method shares a key (module path,
+    op, position in the module call, width), so ranges pool over all calls of all methods; a
+    cache buffer, its readers and the rows written into it share one key."""
+    g = m.graph
+    keys = {name: name for name in _float_inputs(g)}
+    for value in _activations(g)[0]:
+        keys[value] = f"{g.keys.get(value, value)}|{g.types[value][1][-1:]}"
+    producers = g.producers()
+    for u in m.updates:
+        if u["kind"] == "rows":
+            keys[producers[u["output"]].input[0]] = u["cache"]
+    return keys
+
+
+def calibrate(
+    methods: list[MethodGraph],
+    folder: Path,
+    shapes: StaticShapes,
+    tables: TokenTables,
+    prompt: list[int] | None,
+) -> dict[str, tuple[float, float]]:
+    """Min/max of every float activation and input over greedy decoding of `prompt` (AR and
+    every draft depth) on the CPU EP, with the float-activation graphs (the same
+    DequantizeLinear weights), pooled by `_range_keys` across methods."""
+    from edgemtp.export.driver import StaticDriver
+
+    observe = {m.name: _activations(m.graph)[0] for m in methods}
+    for m in methods:
+        m.graph.outputs += observe[m.name]
+    try:
+        _save(methods, folder, "cpu", {})
+        runner = OnnxRunner(folder, shapes, observe=observe)
+        if prompt is None:
+            gen = torch.Generator().manual_seed(0)
+            vocab = tables.tokens.shape[0]
+            n = min(4 * shapes.chunk + 3, shapes.max_context // 2)
+            prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        budget = max(1, min(16, shapes.max_context - len(prompt) - shapes.max_draft - 1))
+        driver = StaticDriver(runner, tables)
+        if "draft_step" not in runner.methods:  # no drafter: verify_k still needs k drafts
+            driver.draft = lambda token, hidden, position, depth: [token] * depth  # type: ignore
+        for depth in shapes.verify_depths():
+            driver.generate(prompt, budget, depth)
+    finally:
+        for m in methods:
+            m.graph.outputs = m.graph.outputs[: len(m.graph.outputs) - len(observe[m.name])]
+    ranges: dict[str, tuple[float, float]] = {}
+    for m in methods:
+        keys = _range_keys(m)
+        for value, seen in runner.ranges.get(m.name, {}).items():
+            key = keys.get(value, value)
+            ranges[key] = _union(ranges.get(key), seen)
+    return ranges
+
+
+def _union(a: tuple[float, float] | None, b: tuple[float, float]) -> tuple[float, float]:
+    return b if a is None else (min(a[0], b[0]), max(a[1], b[1]))
+
+
+# --- running --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Method:
+    session: Any
+    binding: Any
+    spec: dict[str, Any]
+    scratch: dict[str, np.ndarray]  # the cache-update outputs of the last call
+    observe: dict[str, list[int]] = field(default_factory=dict)  # calibration: name -> shape
+
+
+class OnnxRunner:
+    """Runs the methods of an ONNX bundle folder (out_dir/onnx) with ONNX Runtime.
+
+    The cache is one numpy array per cache buffer, wrapped once in an `OrtValue` and bound to
+    every method reading it (target and drafter bind the same objects: no copies); after each
+    call the runner writes the call's new rows into those arrays. `threads`: ORT intra-op
+    threads per session (1 suits a shared 2-core host). `provider` overrides the bundle's
+    delegate, e.g. "cpu" to check an htp (QDQ) bundle on the CPU EP. `observe` (calibration)
+    also fetches the named values and keeps their min/max in `ranges`.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        shapes: StaticShapes,
+        *,
+        provider: str | None = None,
+        threads: int = 1,
+        observe: dict[str, list[str]] | None = None,
+    ):
+        import onnxruntime as ort
+
+        self.folder = Path(folder)
+        self.shapes = shapes
+        self.index = json.loads((self.folder / INDEX).read_text())
+        delegate = self.index["delegate"]
+        provider = provider or delegate
+        providers: list[Any]
+        if provider == "htp":
+            if "QNNExecutionProvider" not in ort.get_available_providers():
+                raise EdgeMTPError(
+                    "this ONNX bundle targets the Qualcomm HTP: it runs with ONNX Runtime's QNN "
+                    "EP (pip install onnxruntime-qnn) on a Snapdragon device or Windows-on-Arm "
+                    "host; the installed onnxruntime has no QNNExecutionProvider"
+                )
+            qnn = ("QNNExecutionProvider", {"backend_path": _qnn_backend()})
+            providers = [qnn, "CPUExecutionProvider"]
+        elif provider == "cpu":
+            providers = ["CPUExecutionProvider"]
+        else:
+            raise EdgeMTPError(f"unknown provider '{provider}' (choose cpu or htp)")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        for key, value in self.index["session_config"].items():
+            options.add_session_config_entry(key, value)
+        self.arrays: dict[str, np.ndarray] = {}
+        self.values: dict[str, Any] = {}
+        for name, spec in self.index["cache"].items():
+            arr = np.full(spec["shape"], spec["fill"], dtype=spec["dtype"])
+            self.arrays[name] = arr
+            self.values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+        self.methods: dict[str, _Method] = {}
+        self._keep: list[Any] = []
+        observe = observe or {}
+        for name, spec in sorted(self.index["methods"].items()):
+            session = ort.InferenceSession(
+                str(self.folder / spec["file"]), options, providers=providers
+            )
+            binding = session.io_binding()
+            for cache_name in spec["cache_inputs"]:
+                binding.bind_ortvalue_input(cache_name, self.values[cache_name])
+            scratch: dict[str, np.ndarray] = {}  # cache-update outputs: bound once, reused
+            for io in spec["cache_outputs"]:
+                scratch[io["name"]] = np.empty(io["shape"], dtype=io["dtype"])
+                value = ort.OrtValue.ortvalue_from_numpy(scratch[io["name"]])
+                binding.bind_ortvalue_output(io["name"], value)
+                self._keep.append(value)
+            shapes_of = {o.name: o.shape for o in session.get_outputs()}
+            watched = {v: shapes_of[v] for v in observe.get(name, [])}
+            self.methods[name] = _Method(session, binding, spec, scratch, watched)
+        self.ranges: dict[str, dict[str, tuple[float, float]]] = {}
+        self._ort = ort
+
+    def cache_value(self, method: str, name: str) -> Any:
+        """The OrtValue `method` reads as cache input `name` (for identity checks)."""
+        if name not in self.methods[method].spec["cache_inputs"]:
+            raise KeyError(f"{method} does not read {name}")
+        return self.values[name]
+
+    def call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ort = self._ort
+        m = self.methods[method]
+        spec = m.spec
+        keep = []
+        for io, x in zip(spec["inputs"], inputs, strict=True):
+            arr = np.require(x.detach().numpy(), io["dtype"], "C")
+            keep.append(arr)
+            m.binding.bind_ortvalue_input(io["name"], ort.OrtValue.ortvalue_from_numpy(arr))
+        results: dict[str, np.ndarray] = {}
+        for io in spec["outputs"]:
+            arr = np.empty(io["shape"], dtype=io["dtype"])
+            results[io["name"]] = arr
+            m.binding.bind_ortvalue_output(io["name"], ort.OrtValue.ortvalue_from_numpy(arr))
+        watched = {name: np.empty(shape, np.float32) for name, shape in m.observe.items()}
+        for name, arr in watched.items():
+            m.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arr))
+        m.session.run_with_iobinding(m.binding)
+        if m.observe:  # before the cache update: the cache as this call read it
+            self._record(method, m, keep, watched)
+        done = m.scratch
+        for u in spec["updates"]:
+            if u["kind"] == "copy":
+                self.arrays[u["cache"]][...] = done[u["output"]]
+            elif u["kind"] == "rows":
+                self.arrays[u["cache"]][:, done[u["slots"]]] = done[u["output"]]
+        return tuple(torch.from_numpy(results[io["name"]]) for io in spec["outputs"])
+
+    def _record(
+        self, method: str, m: _Method, inputs: list[np.ndarray], watched: dict[str, np.ndarray]
+    ) -> None:
+        """Calibration: widen the min/max of the observed values, float inputs and cache."""
+        seen = self.ranges.setdefault(method, {})
+        arrays = dict(watched)
+        for io, arr in zip(m.spec["inputs"], inputs, strict=True):
+            if arr.dtype == np.float32:
+                arrays[io["name"]] = arr
+        for name in m.spec["cache_inputs"]:
+            if self.arrays[name].dtype == np.float32:
+                arrays[name] = self.arrays[name]
+        for name, arr in arrays.items():
+            seen[name] = _union(seen.get(name), (float(arr.min()), float(arr.max())))
+
+
+def _qnn_backend() -> str:
+    import sys
+
+    return "QnnHtp.dll" if sys.platform == "win32" else "libQnnHtp.so"

@@ -1,0 +1,281 @@
+"""The bundle around the compiled program: host tables, manifest, atomic output, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgemtp.cli import main
+from edgemtp.errors import EdgeMTPError
+from edgemtp.export.bundle import (
+    check_pair,
+    open_tables,
+    read_manifest,
+    verify_files,
+    write_tables,
+)
+from edgemtp.model.checkpoint import load_target
+from edgemtp.model.synth import write_preset
+from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bundle")
+    paths = {
+        "target": write_preset("tiny", root / "t", init_std=0.05),
+        "drafter": write_preset("tiny-assistant", root / "a", init_std=0.05),
+    }
+    paths["other"] = root / "o"  # another target: same shapes but a wider sliding window
+    shutil.copytree(paths["target"], paths["other"])
+    config = json.loads((paths["other"] / "config.json").read_text())
+    (paths["other"] / "config.json").write_text(json.dumps(dict(config, sliding_window=32)))
+    paths["q4_0"] = root / "q"
+    quantize_checkpoint(paths["target"], paths["q4_0"], Settings(scheme="q4_0", ple="int8"))
+    paths["fp16"] = root / "f"
+    quantize_checkpoint(paths["target"], paths["fp16"], Settings(embeddings="fp16", ple="fp16"))
+    return paths
+
+
+@pytest.mark.parametrize("kind", ["target", "q4_0", "fp16"])
+def test_tables_round_trip_as_stored(tiny, tmp_path, kind):
+    target = load_target(tiny[kind])
+    description = write_tables(target.tables, tmp_path, lambda _: None)
+    tables = open_tables(tmp_path, target.cfg, description)
+    expected = {"target": ("bf16", "bf16"), "q4_0": ("q4_0", "int8_row"), "fp16": ("f16", "f16")}
+    assert (description["token"]["format"], description["ple"]["format"]) == expected[kind]
+    ids = torch.tensor([0, 3, 511, 3, 200])
+    assert torch.equal(tables.embed(ids), target.tables.embed(ids))
+    assert torch.equal(tables.per_layer_inputs(ids), target.tables.per_layer_inputs(ids))
+    stored = (tmp_path / description["file"]).stat().st_size
+    if kind == "q4_0":  # 18 bytes per 32 token-table values, 1 byte (+ a row scale) per PLE value
+        assert stored < 512 * 64 * 18 / 32 + 512 * 160 * 1.1 + 1024
+
+
+def test_unsupported_pairs_name_the_alternative():
+    check_pair("onnx", "htp")
+    with pytest.raises(EdgeMTPError, match="--backend coreml has no 'htp'.*executorch or onnx"):
+        check_pair("coreml", "htp")
+    with pytest.raises(EdgeMTPError, match="--backend onnx has no 'npu'.*executorch or coreml"):
+        check_pair("onnx", "npu")
+
+
+def _export_error(capsys, *argv: object) -> str:
+    code = main(["export", *map(str, argv)])
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_drafter_from_another_target(tiny, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    line = _export_error(
+        capsys,
+        "--model",
+        tiny["other"],
+        "--drafter",
+        tiny["drafter"],
+        "--backend",
+        "onnx",
+        "--out",
+        out,
+    )
+    assert line.startswith("edgemtp export: error: drafter does not match this target")
+    assert "sliding_window: drafter 16 != target 32" in line
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_impossible_delegate(tiny, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    line = _export_error(
+        capsys, "--model", tiny["target"], "--backend", "coreml", "--delegate", "htp", "--out", out
+    )
+    assert "has no 'htp' delegate" in line and "--backend executorch or onnx" in line
+    assert not out.exists()
+
+
+def test_requantizing_a_quantized_checkpoint_is_refused(tiny, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    line = _export_error(
+        capsys, "--model", tiny["q4_0"], "--quant", "w4a16", "--backend", "onnx", "--out", out
+    )
+    assert "stored as q4_0" in line and "never re-quantized" in line
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_no_space_for_the_output(tiny, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bundle"
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    line = _export_error(capsys, "--model", tiny["target"], "--backend", "onnx", "--out", out)
+    assert "not enough space" in line and "GiB free" in line
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_existing_output_and_missing_input(tiny, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    out.mkdir()
+    line = _export_error(capsys, "--model", tiny["target"], "--backend", "onnx", "--out", out)
+    assert "already exists" in line and "--force" in line
+    line = _export_error(capsys, "--model", tmp_path / "nope", "--backend", "onnx", "--out", out)
+    assert "does not exist" in line
+
+
+def test_chunk_larger_than_the_sliding_ring(tiny, tmp_path, capsys):
+    line = _export_error(
+        capsys,
+        "--model",
+        tiny["target"],
+        "--backend",
+        "onnx",
+        "--prefill-chunk",
+        "64",
+        "--draft-depth",
+        "2",
+        "--out",
+        tmp_path / "b",
+    )
+    assert "exceeds the smallest cache (19 slots" in line
+
+
+def test_manifest_from_another_schema(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": 99}))
+    with pytest.raises(EdgeMTPError, match="schema version 99"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(EdgeMTPError, match="corrupt manifest"):
+        read_manifest(tmp_path)
+
+
+# --- a whole export through the command line, run back through the bundle ------------------
+
+
+@pytest.fixture(scope="module")
+def quantized_pair(tiny, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pair")
+    quantize_checkpoint(tiny["drafter"], root / "a", Settings(scheme="q4_0"))
+    return tiny["q4_0"], root / "a"
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(quantized_pair, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("onnx") / "bundle"
+    target, drafter = quantized_pair
+    code = main(
+        [
+            "export", "--model", str(target), "--drafter", str(drafter), "--backend", "onnx",
+            "--max-context", "96", "--draft-depth", "2", "--prefill-chunk", "8", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    return out
+
+
+def test_bundle_manifest_describes_what_was_written(onnx_bundle, tmp_path):
+    manifest = read_manifest(onnx_bundle)
+    verify_files(onnx_bundle, manifest)
+    assert set(manifest["files"]) == {
+        p.relative_to(onnx_bundle).as_posix()
+        for p in onnx_bundle.rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    }
+    assert manifest["quantization"]["scheme"] == "q4_0"
+    assert manifest["shapes"] == {"max_context": 96, "max_draft": 2, "chunk": 8}
+    roles = [layer["kv"] for layer in manifest["model"]["layers"]]
+    assert roles == ["owns"] * 3 + ["stores"] * 2 + ["reuses"] * 5  # tiny: 5 KV-shared layers
+    assert manifest["cache"]["kinds"]["sliding"] == {"slots": 19, "ring": True, "trash_slot": 19}
+    assert sorted(manifest["methods"]) == sorted(
+        ["prefill_intermediate", "prefill_final", "verify_0", "verify_1", "verify_2", "draft_step"]
+    )
+    verify = manifest["methods"]["verify_2"]
+    assert [o["shape"] for o in verify["outputs"]] == [[3, 512], [3, 64]]
+    assert manifest["numerics"]["weights"]
+    copy = shutil.copytree(onnx_bundle, tmp_path / "copy")
+    with (copy / "tables.safetensors").open("r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 1]))  # flip one bit of the last byte
+    with pytest.raises(EdgeMTPError, match="'tables.safetensors' does not match its SHA-256"):
+        verify_files(copy, manifest)
+
+
+def test_bundle_generates_the_reference_tokens(quantized_pair, tmp_path_factory):
+    from edgemtp.export.driver import StaticDriver
+    from edgemtp.export.onnx import OnnxRunner
+    from edgemtp.export.static import StaticShapes
+    from edgemtp.model.checkpoint import load_drafter
+    from edgemtp.runtime.generate import generate
+
+    out = tmp_path_factory.mktemp("onnx2") / "bundle"
+    target_path, drafter_path = quantized_pair
+    assert main(
+        [
+            "export", "--model", str(target_path), "--drafter", str(drafter_path),
+            "--backend", "onnx", "--max-context", "96", "--draft-depth", "2",
+            "--prefill-chunk", "8", "--out", str(out),
+        ]
+    ) == 0  # fmt: skip
+    manifest = read_manifest(out)
+    shapes = StaticShapes(**manifest["shapes"])
+    target = load_target(target_path)
+    tables = open_tables(out, target.cfg, manifest["tables"])
+    driver = StaticDriver(OnnxRunner(out / manifest["program"], shapes), tables)
+    drafter = load_drafter(drafter_path, target.cfg)
+    prompt = torch.randint(3, 500, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    for depth in (0, 2):
+        ref = generate(target, prompt, 40, drafter=drafter, mtp_depth=depth, prefill_chunk=8)
+        assert driver.generate(prompt, 40, depth).tokens == ref.tokens
+
+
+def test_same_inputs_same_bytes(quantized_pair, onnx_bundle, tmp_path):
+    target, drafter = quantized_pair
+    out = tmp_path / "again"
+    assert main(
+        [
+            "export", "--model", str(target), "--drafter", str(drafter), "--backend", "onnx",
+            "--max-context", "96", "--draft-depth", "2", "--prefill-chunk", "8", "--out", str(out),
+        ]
+    ) == 0  # fmt: skip
+    first = {p.relative_to(onnx_bundle): p.read_bytes() for p in onnx_bundle.rglob("*")
+             if p.is_file() and p.name != "tables.safetensors"}  # fmt: skip
+    second = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()
+              and p.name != "tables.safetensors"}  # fmt: skip
+    assert first.keys() == second.keys() and all(first[k] == second[k] for k in first)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_export_leaves_no_bundle(quantized_pair, tmp_path, sig):
+    target, drafter = quantized_pair
+    out = tmp_path / "bundle"
+    cmd = [
+        sys.executable, "-m", "edgemtp.cli", "export", "--model", str(target), "--drafter",
+        str(drafter), "--backend", "onnx", "--max-context", "96", "--draft-depth", "2",
+        "--prefill-chunk", "8", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # wait until the backend is writing into the temporary folder
+        if "trace prefill_final" in line:
+            break
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert proc.returncode == (130 if sig == signal.SIGTERM else -signal.SIGKILL)
+    assert not out.exists()
+    if sig == signal.SIGTERM:  # cleaned up; a SIGKILL can only leave a hidden ".bundle.*.partial"
+        assert _leftovers(tmp_path) == []
+    else:
+        assert all(name.endswith(".partial") or name.startswith(".edgemtp-quantize")
+                   for name in _leftovers(tmp_path))  # fmt: skip
