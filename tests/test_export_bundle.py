@@ -214,8 +214,6 @@ def test_bundle_manifest_describes_what_was_written(onnx_bundle, tmp_path):
 
 def test_bundle_generates_the_reference_tokens(quantized_pair, tmp_path_factory):
     from edgemtp.export.driver import StaticDriver
-    from edgemtp.export.onnx import OnnxRunner
-    from edgemtp.export.static import StaticShapes
     from edgemtp.model.checkpoint import load_drafter
     from edgemtp.runtime.generate import generate
 
@@ -229,10 +227,8 @@ def test_bundle_generates_the_reference_tokens(quantized_pair, tmp_path_factory)
         ]
     ) == 0  # fmt: skip
     manifest = read_manifest(out)
-    shapes = StaticShapes(**manifest["shapes"])
     target = load_target(target_path)
-    tables = open_tables(out, target.cfg, manifest["tables"])
-    driver = StaticDriver(OnnxRunner(out / manifest["program"], shapes), tables)
+    driver = StaticDriver(_runner(out, manifest), open_tables(out, target.cfg, manifest["tables"]))
     drafter = load_drafter(drafter_path, target.cfg)
     prompt = torch.randint(3, 500, (21,), generator=torch.Generator().manual_seed(0)).tolist()
     for depth in (0, 2):
@@ -279,3 +275,54 @@ def test_killed_export_leaves_no_bundle(quantized_pair, tmp_path, sig):
     else:
         assert all(name.endswith(".partial") or name.startswith(".edgemtp-quantize")
                    for name in _leftovers(tmp_path))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def e2b_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """The E2B preset shrunk 10x (the real 262144-token vocabulary stays), Q4_0."""
+    root = tmp_path_factory.mktemp("e2b")
+    write_preset("e2b", root / "t", scale=0.1, init_std=0.05)
+    write_preset("e2b-assistant", root / "a", scale=0.1, init_std=0.05)
+    for name in ("t", "a"):
+        quantize_checkpoint(root / name, root / f"q{name}", Settings(scheme="q4_0"))
+    return root / "qt", root / "qa"
+
+
+def _runner(bundle: Path, manifest: dict):
+    from edgemtp.export.static import StaticShapes
+
+    shapes = StaticShapes(**manifest["shapes"])
+    if manifest["backend"] == "onnx":
+        from edgemtp.export.onnx import OnnxRunner
+
+        return OnnxRunner(bundle / manifest["program"], shapes)
+    from edgemtp.export.driver import ExecuTorchRunner
+
+    return ExecuTorchRunner(bundle / manifest["program"], shapes)
+
+
+@pytest.mark.parametrize("backend", ["onnx"])
+def test_scaled_e2b_bundle_generates_the_reference_tokens(e2b_pair, tmp_path, backend):
+    from edgemtp.export.driver import StaticDriver
+    from edgemtp.model.checkpoint import load_drafter
+    from edgemtp.runtime.generate import generate
+
+    target_path, drafter_path = e2b_pair
+    out = tmp_path / "bundle"
+    assert main(
+        [
+            "export", "--model", str(target_path), "--drafter", str(drafter_path),
+            "--backend", backend, "--max-context", "128", "--draft-depth", "2",
+            "--prefill-chunk", "16", "--out", str(out),
+        ]
+    ) == 0  # fmt: skip
+    manifest = read_manifest(out)
+    target = load_target(target_path)
+    drafter = load_drafter(drafter_path, target.cfg)
+    driver = StaticDriver(_runner(out, manifest), open_tables(out, target.cfg, manifest["tables"]))
+    prompt = torch.randint(3, 50000, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    for depth in (0, 2):  # 37 prompt tokens: two intermediate chunks and a padded final one
+        ref = generate(target, prompt, 32, drafter=drafter, mtp_depth=depth, prefill_chunk=16)
+        got = driver.generate(prompt, 32, depth)
+        assert got.tokens == ref.tokens
+        assert got.drafted == ref.metrics()["drafted"]
