@@ -154,7 +154,7 @@ def _kv_roles(layer_types: list[str], num_shared: int, where: str) -> list[tuple
     first_shared = n - num_shared
     roles: list[tuple[KVRole, int]] = [("own", i) for i in range(n)]
     store_of: dict[str, int] = {}
-    for kind in set(layer_types):
+    for kind in sorted(set(layer_types)):
         owners = [i for i in range(first_shared) if layer_types[i] == kind]
         if not owners:
             raise EdgeMTPError(
@@ -230,7 +230,7 @@ def parse_text_config(cfg: dict[str, Any], where: str = "config.json") -> TextCo
                 f"which does not divide {heads} attention heads"
             )
         layers.append(spec)
-    for kind in set(_HF_LAYER_TYPES.values()):
+    for kind in sorted(set(_HF_LAYER_TYPES.values())):
         dims = {(s.head_dim, s.num_kv_heads) for s in layers if s.attention == kind}
         if len(dims) > 1:
             raise EdgeMTPError(

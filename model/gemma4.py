@@ -53,7 +53,7 @@ def rope_inv_freq(head_dim: int, rope: RopeSpec) -> Tensor:
 
 def register_rope(module: nn.Module, cfg: TextConfig) -> None:
     """(Re)create the `<kind>_inv_freq` buffers, e.g. after building a model on the meta device."""
-    for kind in set(cfg.layer_types):
+    for kind in sorted(set(cfg.layer_types)):
         freq = rope_inv_freq(cfg.head_dim_of(kind), cfg.rope[kind])
         module.register_buffer(f"{kind}_inv_freq", freq, persistent=False)
 
@@ -262,7 +262,7 @@ class Gemma4Target(nn.Module):
         cfg = self.cfg
         ple = self.per_layer_inputs(embeds, token_ple)
         h = embeds
-        kinds = set(cfg.layer_types)
+        kinds = sorted(set(cfg.layer_types))
         kv_pos = {k: torch.cat([cache.positions(k), positions]) for k in kinds}
         masks = {
             k: target_mask(positions, kv_pos[k], cfg.sliding_window if k == "sliding" else None)

@@ -35,7 +35,7 @@ class KVCache:
         self.cfg = cfg
         self.max_context = max_context
         self.slots: dict[str, int] = {}
-        for kind in set(cfg.layer_types):
+        for kind in sorted(set(cfg.layer_types)):
             full = kind == "full"
             self.slots[kind] = (
                 max_context if full else min(max_context, ring_size(cfg.sliding_window, max_draft))
