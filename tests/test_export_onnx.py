@@ -14,6 +14,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from oracle_drafts import OracleDrafts
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.driver import EagerRunner, StaticDriver
@@ -142,27 +143,10 @@ def test_logits_match_eager(exported):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=name)
 
 
-class _OracleDrafts(StaticDriver):
-    """Drafts the known greedy continuation, corrupted at every third position, so rounds
-    accept 0, 1 or 2 drafts and the implicit rollback runs in every pattern."""
-
-    def __init__(self, *args, ar_tokens: list[int], prompt_len: int, **kw):
-        super().__init__(*args, **kw)
-        self.ar, self.prompt_len = ar_tokens, prompt_len
-
-    def draft(self, token: int, hidden, position: int, depth: int) -> list[int]:
-        j = position - self.prompt_len
-        out = []
-        for i in range(depth):
-            t = self.ar[j + 1 + i] if j + 1 + i < len(self.ar) else 0
-            out.append((t + 1) % 512 if (j + i) % 3 == 0 else t)
-        return out
-
-
 @pytest.mark.parametrize("exported", ["q4_0"], indirect=True)  # cache logic: any scheme
 def test_partial_acceptance_rollback_past_window(exported):
     ar = generate(exported.reference[0], _prompt(), N_NEW).tokens
-    driver = _OracleDrafts(
+    driver = OracleDrafts(
         exported.runner, exported.target.tables, ar_tokens=ar, prompt_len=len(_prompt())
     )
     got = driver.generate(_prompt(), N_NEW, depth=2)
