@@ -333,8 +333,15 @@ class ExportRequest:
 
 def _lowerer(backend: str) -> Callable[..., Lowered]:
     if backend == "executorch":
-        from edgemtp.export.executorch import lower_executorch
-
+        try:
+            from edgemtp.export.executorch import lower_executorch
+        except ModuleNotFoundError as err:
+            if err.name != "edgemtp.export.executorch":
+                raise
+            raise EdgeMTPError(
+                "this edgemtp has no ExecuTorch backend yet (it is being finished); "
+                "use --backend onnx or --backend coreml"
+            ) from None
         return lower_executorch
     if backend == "onnx":
         from edgemtp.export.onnx import lower_onnx
