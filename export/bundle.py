@@ -333,15 +333,8 @@ class ExportRequest:
 
 def _lowerer(backend: str) -> Callable[..., Lowered]:
     if backend == "executorch":
-        try:
-            from edgemtp.export.executorch import lower_executorch
-        except ModuleNotFoundError as err:
-            if err.name != "edgemtp.export.executorch":
-                raise
-            raise EdgeMTPError(
-                "this edgemtp has no ExecuTorch backend yet (it is being finished); "
-                "use --backend onnx or --backend coreml"
-            ) from None
+        from edgemtp.export.executorch import lower_executorch
+
         return lower_executorch
     if backend == "onnx":
         from edgemtp.export.onnx import lower_onnx
@@ -422,6 +415,10 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
     from edgemtp.model.checkpoint import load_drafter, load_target
 
     check_pair(req.backend, req.delegate)
+    if req.backend == "executorch" and req.delegate == "htp":
+        from edgemtp.export.executorch import qnn_sdk
+
+        qnn_sdk()  # before any work: nothing can be lowered without Qualcomm's SDK
     out = Path(req.out)
     if out.exists() and not (req.force and (out / MANIFEST).is_file()):
         raise EdgeMTPError(f"{out} already exists; choose a new folder or pass --force")

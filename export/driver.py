@@ -43,21 +43,45 @@ class EagerRunner:
 
 
 class ExecuTorchRunner:
-    """Runs the methods of a .pte with ExecuTorch's Python runtime."""
+    """Runs the methods of a .pte with ExecuTorch's Python runtime (XNNPACK and portable
+    kernels on this host; a program delegated to Core ML or QNN needs that backend's runtime)."""
 
     def __init__(self, pte: Path | bytes, shapes: StaticShapes):
         from executorch.runtime import Runtime
 
-        self.program = Runtime.get().load_program(pte)
+        runtime = Runtime.get()
+        self.program = runtime.load_program(pte)
         self.shapes = shapes
         # Load every method now: loading one initialises the shared cache buffers, which would
         # wipe the cache if it happened lazily in the middle of a sequence.
-        self.methods: dict[str, Any] = {
-            name: self.program.load_method(name) for name in sorted(self.program.method_names)
-        }
+        try:
+            self.methods: dict[str, Any] = {
+                name: self.program.load_method(name) for name in sorted(self.program.method_names)
+            }
+        except RuntimeError as e:
+            missing = [
+                b for b in _delegate_backends(pte) if not runtime.backend_registry.is_available(b)
+            ]
+            if not missing:
+                raise
+            where = {"CoreMLBackend": "macOS 15+ / iOS 18+", "QnnBackend": "a Qualcomm device"}
+            raise EdgeMTPError(
+                f"this program is delegated to {', '.join(missing)}, which this ExecuTorch "
+                f"runtime cannot run here: run it on {where.get(missing[0], 'its device')} "
+                "(or export with --delegate cpu)"
+            ) from e
 
     def call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
         return tuple(self.methods[method].execute(inputs))
+
+
+def _delegate_backends(pte: Path | bytes) -> list[str]:
+    """Backend ids of a program's delegates."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    data = pte if isinstance(pte, bytes) else Path(pte).read_bytes()
+    plans = deserialize_pte_binary(data).program.execution_plan
+    return sorted({d.id for plan in plans for d in plan.delegates})
 
 
 @dataclass
@@ -100,14 +124,28 @@ class StaticDriver:
         for start in range(0, last_start, c):
             embeds, ple = self._rows(ids[start : start + c])
             self._call("prefill_intermediate", embeds, ple, torch.arange(start, start + c))
-        real = n - last_start
-        pad = c - real
-        embeds, ple = self._rows(ids[last_start:])
-        positions = torch.cat([torch.full((pad,), n), torch.arange(last_start, n)])
+        hidden, logits = self._call("prefill_final", *self._padded(ids[last_start:], last_start, c))
+        return hidden, logits
+
+    def _padded(self, ids: Tensor, position: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Inputs for `ids` at `position`.. left-padded to `rows`: pad rows have zero inputs
+        and the position after the last real row, which sends their K/V to the trash slot."""
+        pad = rows - ids.shape[0]
+        embeds, ple = self._rows(ids)
+        end = position + ids.shape[0]
+        positions = torch.cat([torch.full((pad,), end), torch.arange(position, end)])
         embeds = torch.cat([embeds.new_zeros(pad, embeds.shape[1]), embeds])
         ple = torch.cat([ple.new_zeros(pad, *ple.shape[1:]), ple])
-        hidden, logits = self._call("prefill_final", embeds, ple, positions)
-        return hidden, logits
+        return embeds, ple, positions
+
+    def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]:
+        """Logits and hidden states of `ids` at `position`.., through the smallest verify
+        method that fits, left-padded like `prefill` (pad rows are written to the trash slot)."""
+        method, pad = self.shapes.verify_method(len(ids) - 1)
+        logits, hidden = self._call(
+            method, *self._padded(torch.tensor(ids), position, len(ids) + pad)
+        )
+        return logits[pad:], hidden[pad:]
 
     def draft(self, token: int, hidden: Tensor, position: int, depth: int) -> list[int]:
         tokens = []
@@ -134,11 +172,7 @@ class StaticDriver:
             if position + k + 1 > self.shapes.max_context:
                 raise EdgeMTPError(f"context full at {position} (max {self.shapes.max_context})")
             drafts = self.draft(out[-1], hidden, position, k) if k else []
-            ids = torch.tensor([out[-1], *drafts])
-            embeds, ple = self._rows(ids)
-            logits, rows_hidden = self._call(
-                f"verify_{k}", embeds, ple, torch.arange(position, position + k + 1)
-            )
+            logits, rows_hidden = self.verify([out[-1], *drafts], position)
             n, nxt = greedy_accept(logits, torch.tensor(drafts, dtype=torch.long))
             committed = [*drafts[:n], nxt]
             hidden = rows_hidden[n]

@@ -1,4 +1,4 @@
-"""`torch.export` the static methods and lower them to one ExecuTorch program (XNNPACK, fp32).
+"""`torch.export` the static methods and lower them to one multi-method ExecuTorch program.
 
 Every method is exported from a module that holds the one shared `StaticCache` under the same
 name, so the cache buffers have the same fully qualified names in every method. ExecuTorch then
@@ -6,19 +6,50 @@ gives them one allocation (`MemoryPlanningPass(share_mutable_buffers=True)`); a 
 reads them (the drafter) gets the same allocation because the buffers are mutable in another
 method. `InitializedMutableBufferPass` stores their initial values (positions -1, K/V zero) in
 the program; `run_reinplace_pass` turns the cache writes (`index_put`) into in-place writes.
+
+Why lowering took a minute per tiny method, and what this module does about it (profiled with
+cProfile and py-spy). A tiny method graph has ~1500 nodes (2400 with 8da4w linears), and
+ExecuTorch re-traces the whole graph node by node through fake tensors in nearly every pass, at
+~1-2 ms a node on a 2-core host: GELU decomposition, 3 `run_decompositions` (the
+"EDGE_DO_NOT_DECOMP" path of partitioners with an op-support check), ~13 edge passes, 17
+XNNPACK passes per delegated partition (`XNNPACKPassManager`), the `to_executorch` passes. Every
+re-trace also deep-copies each node's provenance chain (`meta["from_node"]`, one level longer
+per pass: ~20% of the time). Fixes, in order of effect:
+
+- the delegates are preprocessed with the linear pass only, via XNNPACK's own
+  `dqlinear_partitioner` compile spec, when a partition holds none of the patterns the other
+  16 passes rewrite (no convolution, pooling, `mean.dim`, batch norm, upsampling, padding,
+  PReLU, clone or dim-order copies, fused activations). Identity clones are removed once before
+  partitioning, and `executorch.py` swaps the norms to a form without `mean.dim`, so the static
+  graphs qualify; the resulting program is byte-identical to the full pipeline's (checked on
+  tiny: same XNNPACK graphs, only the marker compile spec differed, and it is dropped);
+- the partitioner wrapper answers `ops_to_not_decompose` with the ops whose every occurrence it
+  can take and no per-node check, which selects ExecuTorch's single-decomposition path;
+- GELU is decomposed while tracing (`_TanhGelu`, a torch function mode), the dtype asserts of
+  `torch.export` are dropped at once, and provenance chains are collapsed to their origin (what
+  ExecuTorch's debug handles read) between stages;
+- `executorch.py` emits 8da4w with `quantized_decomposed` ops, which have meta kernels: torchao's
+  affine ops run their whole Python implementation on fake tensors at every re-trace.
+
+What remains is ~15 whole-graph re-traces in `to_edge` and `to_executorch` for every method, and
+the five target methods re-lower the same layers at different row counts.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.export import ExportedProgram
+from torch.overrides import TorchFunctionMode
 
+from edgemtp.errors import EdgeMTPError
 from edgemtp.export.static import StaticBundle
 
 CACHE_BUFFER_PATTERN = "kvcache_"  # placeholder names of the cache buffers contain this
@@ -34,22 +65,65 @@ def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
 
 
-def decompose_gelu(program: ExportedProgram) -> ExportedProgram:
-    return program.run_decompositions({torch.ops.aten.gelu.default: _gelu})
+class _TanhGelu(TorchFunctionMode):
+    """Traces `F.gelu` as `_gelu`, so no second decomposition pass is needed."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func is F.gelu:
+            return _gelu(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def collapse_provenance(gm: torch.fx.GraphModule) -> None:
+    """Keep only the origin of every node's `from_node` chain (what ExecuTorch's debug handles
+    read): each pass deep-copies the whole chain, so chains make later passes slower."""
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            chain = node.meta.get("from_node")
+            if not chain:
+                continue
+            origin = chain[-1]
+            while origin.from_node:
+                origin = origin.from_node[-1]
+            node.meta["from_node"] = [origin]
+
+
+def drop_asserts(program: ExportedProgram) -> ExportedProgram:
+    """Remove `_assert_tensor_metadata` nodes (dtype checks of `.float()`/`type_as`; edge
+    lowering removes them later anyway, after re-tracing them a few times)."""
+    graph = program.graph_module.graph
+    for node in list(graph.nodes):
+        if (
+            node.op == "call_function"
+            and node.target is torch.ops.aten._assert_tensor_metadata.default
+        ):
+            graph.erase_node(node)
+    program.graph_module.recompile()
+    return program
+
+
+def export_method(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> ExportedProgram:
+    """`torch.export` one method (static shapes) under `no_grad`, GELU decomposed."""
+    with torch.no_grad(), _TanhGelu():
+        module.requires_grad_(False)
+        program = torch.export.export(module, inputs, strict=False)
+    drop_asserts(program)
+    collapse_provenance(program.graph_module)
+    return program
 
 
 def export_methods(
     bundle: StaticBundle, only: tuple[str, ...] | None = None, debug: bool = False
 ) -> dict[str, ExportedProgram]:
-    """`torch.export` every method (static shapes) under `no_grad`."""
-    programs = {}
-    with torch.no_grad():
-        for name, (module, inputs) in bundle.methods(debug).items():
-            if only is not None and name not in only:
-                continue
-            module.requires_grad_(False)
-            programs[name] = decompose_gelu(torch.export.export(module, inputs, strict=False))
-    return programs
+    """`torch.export` every method of the bundle (or those in `only`)."""
+    return {
+        name: export_method(module, inputs)
+        for name, (module, inputs) in bundle.methods(debug).items()
+        if only is None or name in only
+    }
 
 
 def layer_of(node: torch.fx.Node, prefix: str = "owner.target.layers.") -> int | None:
@@ -72,73 +146,242 @@ def ops_per_layer(program: ExportedProgram, ops: tuple[str, ...] = ("linear", "m
     return counts
 
 
-def keep_cache_outside(partitioner: Any) -> Any:
-    """Wrap a partitioner so the cache buffers stay method inputs of the delegates.
+# Edge ops (by name) that one of XNNPACK's preprocessing passes other than ConvertToLinearPass
+# rewrites: NHWC tagging (pooling, mean.dim, convolutions, pads, PReLU), batch-norm fusion,
+# upsampling, clone/dim-order removal, activation fusion (getitem removal is for max pooling).
+_NEEDS_XNNPACK_PASSES = (
+    "convolution",
+    "mean.dim",
+    "avg_pool",
+    "max_pool",
+    "batch_norm",
+    "upsample",
+    "constant_pad",
+    "prelu",
+    "clone",
+    "dim_order",
+    "_to_copy",
+    "hardtanh",
+    "relu",
+    "clamp",
+)
+_MAX_XNNPACK_CAT_INPUTS = 4
+LINEAR_PASSES_ONLY = (
+    "dqlinear_partitioner"  # XnnpackBackend.preprocess: run ConvertToLinearPass only
+)
+
+
+def _xnnpack_passes_needed(nodes: list[torch.fx.Node]) -> str | None:
+    """Why a partition needs XNNPACK's full preprocessing pipeline, or None."""
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        name = str(getattr(n.target, "__name__", n.target))
+        if any(op in name for op in _NEEDS_XNNPACK_PASSES):
+            return name
+        if name.startswith("aten.cat") and len(n.args[0]) > _MAX_XNNPACK_CAT_INPUTS:  # type: ignore[arg-type]
+            return f"{name} of {len(n.args[0])} tensors"  # type: ignore[arg-type]
+    return None
+
+
+def remove_identity_clones(gm: torch.fx.GraphModule) -> int:
+    """Drop clones that keep the memory format and neither read a graph input nor feed the
+    output (what XNNPACK's clone-removal pass does inside each delegate, done once here so the
+    delegates need no generic preprocessing). Returns how many were removed."""
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or "clone" not in str(node.target):
+            continue
+        source = node.args[0]
+        if node.kwargs.get("memory_format") not in (None, torch.contiguous_format):
+            continue
+        order = node.kwargs.get("dim_order")
+        if order is not None and list(order) != list(range(len(order))):
+            continue
+        if not isinstance(source, torch.fx.Node) or source.op == "placeholder":
+            continue
+        if any(user.op == "output" for user in node.users):
+            continue
+        node.replace_all_uses_with(source)
+        gm.graph.erase_node(node)
+        removed += 1
+    if removed:
+        gm.recompile()
+    return removed
+
+
+def _remove_identity_clones_pass(gm: torch.fx.GraphModule) -> Any:
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    return PassResult(gm, remove_identity_clones(gm) > 0)
+
+
+def _supported(check: Callable[[torch.fx.Node], bool], node: torch.fx.Node) -> bool:
+    try:
+        return bool(check(node))
+    except Exception:  # a partitioner's check failing on a node means it cannot take it
+        return False
+
+
+def static_partitioner(inner: Any, linear_passes_only: bool = False) -> Any:
+    """`inner` (a partitioner) adapted to the static programs: keeps the cache buffers outside
+    the delegates, selects the single-decomposition path, collapses provenance and, for
+    XNNPACK (`linear_passes_only`), asks for linear-only preprocessing of the partitions that
+    allow it (see the module docstring).
 
     A buffer no op of a method mutates, whose users are all delegated, is frozen into the
     delegate as constant data (`tag_constant_data`): the drafter, which only reads the cache,
     would read a frozen (uninitialised) copy. Untagging the cache placeholders keeps them in the
     shared memory-planned arena.
     """
-    from executorch.exir.backend.partitioner import Partitioner, PartitionResult
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
+    from executorch.exir.backend.partitioner import (
+        DelegationSpec,
+        Partitioner,
+        PartitionResult,
+    )
 
-    class KeepCacheOutside(Partitioner):
+    class StaticPartitioner(Partitioner):
         def __init__(self) -> None:
             super().__init__()
-            self.inner = partitioner
+            self.inner = inner
+            self.full_pipeline: dict[str, str] = {}  # tag -> why it needs all XNNPACK passes
 
         def ops_to_not_decompose(self, ep: ExportedProgram) -> Any:
-            return self.inner.ops_to_not_decompose(ep)
+            ops, check = self.inner.ops_to_not_decompose(ep)
+            if check is None:
+                return ops, None
+            keep = []
+            for op in ops:
+                users = [n for n in ep.graph.nodes if n.op == "call_function" and n.target == op]
+                if all(_supported(check, n) for n in users):
+                    keep.append(op)
+            return keep, None
 
         def partition(self, ep: ExportedProgram) -> PartitionResult:
+            collapse_provenance(ep.graph_module)
             result = self.inner.partition(ep)
-            for node in result.tagged_exported_program.graph.nodes:
+            graph = result.tagged_exported_program.graph
+            for node in graph.nodes:
                 if node.op == "placeholder" and CACHE_BUFFER_PATTERN in node.name:
                     node.meta.pop("delegation_tag", None)
-            return result
+            if not linear_passes_only:
+                return result
+            members: dict[str, list[torch.fx.Node]] = {}
+            for node in graph.nodes:
+                tag = node.meta.get("delegation_tag")
+                if tag is not None:
+                    members.setdefault(tag, []).append(node)
+            tags = {}
+            for tag, spec in result.partition_tags.items():
+                why = _xnnpack_passes_needed(members.get(tag, []))
+                if why is None:
+                    specs = [*spec.compile_specs, CompileSpec(LINEAR_PASSES_ONLY, b"")]
+                    spec = DelegationSpec(spec.backend_id, specs)
+                else:
+                    self.full_pipeline[tag] = why
+                tags[tag] = spec
+            return PartitionResult(result.tagged_exported_program, tags)
 
-    return KeepCacheOutside()
+    return StaticPartitioner()
 
 
-def lower_to_executorch(programs: dict[str, ExportedProgram], xnnpack: bool = True) -> bytes:
-    """One multi-method .pte (fp32) whose methods share the cache buffers."""
+def xnnpack_partitioner() -> Any:
+    """XNNPACK's partitioner for the static programs (`static_partitioner`)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import (
-        EdgeCompileConfig,
-        ExecutorchBackendConfig,
-        to_edge_transform_and_lower,
-    )
+
+    return static_partitioner(XnnpackPartitioner(), linear_passes_only=True)
+
+
+def backend_config() -> Any:
+    """The `to_executorch` configuration every multi-method program here uses."""
+    from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
-    partitioner = (
-        {name: [keep_cache_outside(XnnpackPartitioner())] for name in programs} if xnnpack else None
+    return ExecutorchBackendConfig(
+        passes=[InitializedMutableBufferPass([CACHE_BUFFER_PATTERN])],
+        memory_planning_pass=MemoryPlanningPass(
+            alloc_graph_input=False, share_mutable_buffers=True
+        ),
+        emit_mutable_buffer_names=True,
+        run_reinplace_pass=True,
     )
-    edge = to_edge_transform_and_lower(
-        programs,
-        partitioner=partitioner,
-        compile_config=EdgeCompileConfig(_check_ir_validity=False),
-    )
-    et = edge.to_executorch(
-        ExecutorchBackendConfig(
-            passes=[InitializedMutableBufferPass([CACHE_BUFFER_PATTERN])],
-            memory_planning_pass=MemoryPlanningPass(
-                alloc_graph_input=False, share_mutable_buffers=True
-            ),
-            emit_mutable_buffer_names=True,
-            run_reinplace_pass=True,
+
+
+def lower_programs(
+    programs: dict[str, ExportedProgram],
+    partitioners: Callable[[], list[Any]] | None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Any:
+    """`to_edge_transform_and_lower` method by method (one fresh partitioner list each, a
+    progress line each), gathered into one EdgeProgramManager (delegates inside) so that
+    `to_executorch` plans the shared cache across all methods."""
+    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, to_edge_transform_and_lower
+
+    config = EdgeCompileConfig(_check_ir_validity=False)
+    lowered = {}
+    for i, (name, program) in enumerate(programs.items()):
+        start = time.perf_counter()
+        edge = to_edge_transform_and_lower(
+            {name: program},
+            transform_passes=[_remove_identity_clones_pass],
+            partitioner={name: partitioners()} if partitioners else None,
+            compile_config=config,
         )
-    )
-    return et.buffer
+        gm = edge.exported_program(name).graph_module
+        collapse_provenance(gm)
+        for module in gm.modules():
+            specs = getattr(module, "_compile_specs", None)
+            if specs:  # the marker did its job in preprocessing; the program need not carry it
+                module._compile_specs = [s for s in specs if s.key != LINEAR_PASSES_ONLY]
+        lowered[name] = edge.exported_program(name)
+        progress(
+            f"lower {name} ({i + 1}/{len(programs)}): {len(gm.graph.nodes)} nodes "
+            f"({time.perf_counter() - start:.1f}s)"
+        )
+    return EdgeProgramManager(lowered, compile_config=config)
 
 
-def export_bundle(bundle: StaticBundle, path: Path, xnnpack: bool = True) -> Path:
-    """Export and lower every method of `bundle` into one .pte at `path`."""
-    for module in (bundle.target, bundle.drafter):
-        if isinstance(module, nn.Module):
-            module.eval().requires_grad_(False)
-    data = lower_to_executorch(export_methods(bundle), xnnpack=xnnpack)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
+# Edge ops of a linear layer (fp32 or quantized): outside a delegate they would run on portable
+# kernels. Matrix products may only stay outside inside an exempt module (a gather's product).
+_LINEAR_OPS = ("linear", "addmm", "quantize_affine", "choose_qparams", "quantize_per_")
+_MATMUL_OPS = (".mm.", ".mv.", "matmul")
+
+
+def delegation_summary(
+    edge: Any, exempt: tuple[str, ...] = (), backend: str = "XNNPACK"
+) -> dict[str, Any]:
+    """Per method: delegated partitions and nodes, and the ops left to portable kernels.
+
+    Raises EdgeMTPError naming the op when a linear (fp32 or quantized) stayed outside the
+    delegates, or a matrix product outside a module path containing one of `exempt`."""
+    from executorch.devtools.backend_debug import get_delegation_info
+
+    summary: dict[str, Any] = {}
+    for name in edge.methods:
+        gm = edge.exported_program(name).graph_module
+        info = get_delegation_info(gm)
+        portable: Counter = Counter()
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or "executorch_call_delegate" in str(node.target):
+                continue
+            op = str(getattr(node.target, "__name__", node.target))
+            if op == "getitem":
+                continue
+            portable[op] += 1
+            stack = " ".join(p for p, _ in (node.meta.get("nn_module_stack") or {}).values())
+            linear = any(w in op for w in _LINEAR_OPS)
+            matmul = any(w in f".{op}." for w in _MATMUL_OPS)
+            if linear or (matmul and not any(e in stack for e in exempt)):
+                raise EdgeMTPError(
+                    f"method {name}: {op} ({node.name}, from {stack or 'the graph'}) was not "
+                    f"delegated to {backend}; it would run on slow portable kernels"
+                )
+        summary[name] = {
+            "delegates": info.num_delegated_subgraphs,
+            "delegated_nodes": info.num_delegated_nodes,
+            "portable_nodes": info.num_non_delegated_nodes,
+            "portable_ops": dict(sorted(portable.items())),
+        }
+    return summary

@@ -44,8 +44,16 @@ class StaticShapes:
     chunk: int
 
     def verify_depths(self) -> tuple[int, ...]:
-        """Draft depths with a verify method (k=0 is plain AR decode)."""
-        return tuple(range(self.max_draft + 1))
+        """Draft depths with a verify method: 0 (plain AR decode) and the deepest. A shallower
+        round is left-padded to the deepest method: its linears cost about the same (weight
+        reads dominate), and every method costs export time (a minute or more per method
+        for ExecuTorch on tiny models)."""
+        return (0, self.max_draft) if self.max_draft else (0,)
+
+    def verify_method(self, depth: int) -> tuple[str, int]:
+        """The verify method for a round of `depth` drafts and how many pad rows it needs."""
+        k = min(d for d in self.verify_depths() if d >= depth)
+        return f"verify_{k}", k - depth
 
 
 class _View:

@@ -107,6 +107,20 @@ def test_impossible_delegate(tiny, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_missing_qnn_sdk_is_named_before_any_work(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    out = tmp_path / "bundle"
+    line = _export_error(
+        capsys, "--model", tiny["target"], "--quant", "q4_0", "--backend", "executorch",
+        "--delegate", "htp", "--out", out,
+    )  # fmt: skip
+    assert line == (
+        "edgemtp export: error: --delegate htp needs Qualcomm AI Engine Direct (QNN) SDK: "
+        "install it and set QNN_SDK_ROOT (or use --delegate cpu)"
+    )
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
 def test_requantizing_a_quantized_checkpoint_is_refused(tiny, tmp_path, capsys):
     out = tmp_path / "bundle"
     line = _export_error(
@@ -198,7 +212,7 @@ def test_bundle_manifest_describes_what_was_written(onnx_bundle, tmp_path):
     assert roles == ["owns"] * 3 + ["stores"] * 2 + ["reuses"] * 5  # tiny: 5 KV-shared layers
     assert manifest["cache"]["kinds"]["sliding"] == {"slots": 19, "ring": True, "trash_slot": 19}
     assert sorted(manifest["methods"]) == sorted(
-        ["prefill_intermediate", "prefill_final", "verify_0", "verify_1", "verify_2", "draft_step"]
+        ["prefill_intermediate", "prefill_final", "verify_0", "verify_2", "draft_step"]
     )
     verify = manifest["methods"]["verify_2"]
     assert [o["shape"] for o in verify["outputs"]] == [[3, 512], [3, 64]]

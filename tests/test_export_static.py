@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from oracle_drafts import OracleDrafts
 
 from edgemtp.export.driver import EagerRunner, StaticDriver
 from edgemtp.export.lower import export_methods, ops_per_layer
@@ -85,28 +84,11 @@ def test_draft_step_matches_reference_drafter(reference, static):
     torch.testing.assert_close(got[2], ref[2], atol=1e-4, rtol=1e-4)
 
 
-class _OracleDrafts(StaticDriver):
-    """Drafts the known greedy continuation, corrupted at every third position, so rounds
-    accept 0, 1 or 2 drafts and the implicit rollback runs in every pattern."""
-
-    def __init__(self, *args, ar_tokens: list[int], prompt_len: int, **kw):
-        super().__init__(*args, **kw)
-        self.ar, self.prompt_len = ar_tokens, prompt_len
-
-    def draft(self, token: int, hidden, position: int, depth: int) -> list[int]:
-        j = position - self.prompt_len
-        out = []
-        for i in range(depth):
-            t = self.ar[j + 1 + i] if j + 1 + i < len(self.ar) else 0
-            out.append((t + 1) % 512 if (j + i) % 3 == 0 else t)
-        return out
-
-
 def test_partial_acceptance_rollback_past_window(reference, static):
     target, _ = reference
     ar = generate(target, _prompt(), N_NEW).tokens
     bundle, _ = static
-    driver = _OracleDrafts(EagerRunner(bundle), target.tables, ar_tokens=ar, prompt_len=21)
+    driver = OracleDrafts(EagerRunner(bundle), target.tables, ar_tokens=ar, prompt_len=21)
     got = driver.generate(_prompt(), N_NEW, depth=2)
     assert got.tokens == ar
     assert 0 < got.accepted < got.drafted
@@ -123,20 +105,3 @@ def test_intermediate_prefill_has_no_shared_layer_ops(static):
     assert sorted(inter) == list(owned)
     assert all(inter[i] == final[i] for i in owned)
     assert all(final[i] > 0 for i in range(cfg.first_shared_layer, cfg.num_layers))
-
-
-@pytest.mark.skipif(
-    not os.environ.get("EDGEMTP_SLOW_TESTS"),
-    reason="lowering 7 methods to XNNPACK takes minutes on this host; set EDGEMTP_SLOW_TESTS=1",
-)
-def test_executorch_program_matches_reference_tokens(reference, static, tmp_path):
-    from edgemtp.export.driver import ExecuTorchRunner
-    from edgemtp.export.lower import export_bundle
-
-    target, drafter = reference
-    bundle, _ = static
-    pte = export_bundle(bundle, tmp_path / "tiny.pte")
-    driver = StaticDriver(ExecuTorchRunner(pte, SHAPES), target.tables)
-    for depth in (0, 2):
-        ref = generate(target, _prompt(), N_NEW, drafter=drafter, mtp_depth=depth, prefill_chunk=8)
-        assert driver.generate(_prompt(), N_NEW, depth).tokens == ref.tokens

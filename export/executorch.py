@@ -1,0 +1,606 @@
+"""ExecuTorch backend of `edgemtp export`: every static method in one `model.pte`.
+
+Delegates:
+- `cpu`: XNNPACK. Linears whose checkpoint weight is 4-bit run as XNNPACK's "8da4w" kernel
+  (int8 dynamic activations, int4 weights) built from *our* codes and scales (never
+  re-quantized by torchao). XNNPACK's blockwise int4 format has no zero
+  points and rejects negative or zero scales, so a block whose scale is negative (Q4_0 has
+  many: d = max / -8) or whose zero point is not 8 (asymmetric W4A16) is written exactly as
+  codes' * |s| + offset, the offset being one constant per block; the program adds
+  offset * (sum of the block's activations) with a small fp32 linear pair. Other linears stay
+  fp32. The assistant's clustered head gathers LM-head rows by token id (no linear can do
+  that): from the int4 codes when there are some, dequantized exactly in fp32.
+- `metal` / `npu`: Core ML through ExecuTorch's Core ML delegate (compute units CPU_AND_GPU /
+  CPU_AND_NE).
+- `htp`: Qualcomm QNN, when the QNN SDK is installed.
+
+The norms are swapped to a form whose mean is a 1-output linear (no `mean.dim`, which XNNPACK
+only runs as an NHWC global pooling between two transposes); see `lower.py` for why that also
+makes lowering several times faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edgemtp.errors import EdgeMTPError
+from edgemtp.export.bundle import Lowered, Progress
+from edgemtp.export.exportable import ExportRMSNorm, make_exportable
+from edgemtp.export.lower import (
+    backend_config,
+    delegation_summary,
+    export_method,
+    lower_programs,
+    static_partitioner,
+    xnnpack_partitioner,
+)
+from edgemtp.export.static import StaticBundle
+from edgemtp.export.weights import Int4Weight, int4_of
+from edgemtp.model.gemma4 import ClusteredHead
+
+PROGRAM = "model.pte"
+COREML_UNITS = {"metal": "CPU_AND_GPU", "npu": "CPU_AND_NE"}
+QNN_MISSING = (
+    "--delegate htp needs Qualcomm AI Engine Direct (QNN) SDK: install it and set QNN_SDK_ROOT "
+    "(or use --delegate cpu)"
+)
+CLUSTERED_HEAD = "masked_embedding"  # module path of the drafter's clustered head
+
+
+# --- XNNPACK forms ---------------------------------------------------------------------------
+
+
+class LinearMeanRMSNorm(ExportRMSNorm):
+    """RMSNorm whose mean of squares is a linear with one output (weights 1/d): XNNPACK runs it
+    as a plain fully-connected op, where `mean.dim` needs an NHWC pooling between transposes.
+    The static programs are float32, so the dtype casts of the reference are identities."""
+
+    mean_weight: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        ms = F.linear(x * x, self.mean_weight)
+        y = x * torch.rsqrt(ms + self.eps)
+        return y * self.weight if self.weight is not None else y
+
+
+def _block_form(w: Int4Weight) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(signed codes int8 [out, in], positive scales f32 [out, G], offsets f32 [out, G] or
+    None) with w = codes * scales + offset per block, exactly:
+
+    s > 0: (c - z) s = (c - 8) s + (8 - z) s;  s < 0: (c - z) s = (7 - c)|s| + (z - 7)|s|;
+    s = 0: codes 0, scale 1 (XNNPACK wants normal scales), offset 0."""
+    out, n_in = w.shape
+    c = w.codes.to(torch.int16).view(out, -1, w.group)
+    z = w.zeros.to(torch.int16)[..., None]
+    s = w.scales.float()
+    pos, neg = (s > 0)[..., None], (s < 0)[..., None]
+    codes = torch.where(pos, c - 8, torch.where(neg, 7 - c, torch.zeros_like(c)))
+    offset = torch.where(pos, 8 - z, torch.where(neg, z - 7, torch.zeros_like(z)))[..., 0]
+    offset = offset.float() * s.abs()
+    scales = torch.where(s == 0, torch.ones_like(s), s.abs())
+    codes = codes.view(out, n_in).to(torch.int8)
+    return codes, scales, (offset if bool((offset != 0).any()) else None)
+
+
+def _import_torchao_ops() -> None:
+    """Register torch.ops.torchao (dequantize_affine) without torchao's import-time warnings
+    about its optional CUDA kernels, which cannot load on a CPU build of torch."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.quantization.quant_primitives  # noqa: F401
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+class Int4Linear(nn.Module):
+    """A bias-free linear computing with 4-bit codes through the quantize/dequantize op patterns
+    XNNPACK and Core ML lower: w = (codes - zeros) * scales per block of `group`.
+
+    `dynamic_int8`: quantize the activations to int8 per row first (XNNPACK's 8da4w);
+    otherwise weight-only (float activations). `offset` [out, G]: per-block constants added
+    as offset * (block sum of x), in fp32 from the unquantized activations."""
+
+    def __init__(
+        self,
+        codes: Tensor,
+        scales: Tensor,
+        zeros: Tensor,
+        group: int,
+        offset: Tensor | None = None,
+        dynamic_int8: bool = True,
+    ):
+        super().__init__()
+        import torch.ao.quantization.fx._decomposed  # noqa: F401  (torch.ops.quantized_decomposed)
+
+        _import_torchao_ops()
+
+        self.out_features, self.in_features = codes.shape
+        self.group, self.dynamic_int8 = group, dynamic_int8
+        self.codes = nn.Parameter(codes.to(torch.int8), requires_grad=False)
+        self.scales = nn.Parameter(scales.float(), requires_grad=False)
+        self.zeros = nn.Parameter(zeros.to(torch.int8), requires_grad=False)
+        self.offset: nn.Parameter | None = None
+        if offset is not None:
+            groups = torch.arange(self.in_features) // group
+            block_sum = (groups[None, :] == torch.arange(offset.shape[1])[:, None]).float()
+            self.block_sum = nn.Parameter(block_sum, requires_grad=False)  # [G, in] of 0/1
+            self.offset = nn.Parameter(offset.float(), requires_grad=False)
+
+    @classmethod
+    def xnnpack(cls, w: Int4Weight) -> Int4Linear:
+        """8da4w from the checkpoint's codes, in XNNPACK's form (see `_block_form`)."""
+        codes, scales, offset = _block_form(w)
+        return cls(codes, scales, torch.zeros_like(scales, dtype=torch.int8), w.group, offset)
+
+    @classmethod
+    def weight_only(cls, w: Int4Weight) -> Int4Linear:
+        """The checkpoint's codes, scales and zero points as they are (signed), float
+        activations: Core ML turns this into its blockwise int4 constant."""
+        codes = w.codes.to(torch.int16) - 8
+        zeros = w.zeros.to(torch.int16) - 8
+        return cls(codes, w.scales, zeros, w.group, dynamic_int8=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 1:  # activations are quantized per row of a matrix
+            return self.forward(x[None])[0]
+        if not self.dynamic_int8:
+            xq = x
+            w = torch.ops.torchao.dequantize_affine(
+                self.codes, [1, self.group], self.scales, self.zeros, torch.int8, -8, 7
+            )
+        elif torch.compiler.is_exporting():
+            # The pattern XNNPACK replaces by its 8da4w kernel. quantized_decomposed ops, not
+            # torchao's affine ones: these have meta kernels, where a torchao op runs its whole
+            # Python implementation on fake tensors at every re-trace (a third of the lowering).
+            qd = torch.ops.quantized_decomposed
+            scale, zero = qd.choose_qparams_per_token_asymmetric(x, torch.int8)
+            q = qd.quantize_per_token(x, scale, zero, -128, 127, torch.int8)
+            xq = qd.dequantize_per_token(q, scale, zero, -128, 127, torch.int8, torch.float32)
+            w = qd.dequantize_per_channel_group(
+                self.codes, self.scales, self.zeros, -8, 7, torch.int8, self.group, torch.float32
+            )
+        else:  # eager: what the XNNPACK kernel computes, rounding included
+            xq = xnnpack_int8_rows(x)
+            w = self.codes.float().view(*self.scales.shape, -1) * bf16(self.scales)[..., None]
+            w = w.view(self.out_features, self.in_features)
+        y = F.linear(xq, w)
+        if self.offset is not None:
+            y = y + F.linear(F.linear(x, self.block_sum), self.offset)
+        return y
+
+
+def bf16(t: Tensor) -> Tensor:
+    """The float32 values of `t` rounded to bfloat16 (XNNPACK's blockwise scales)."""
+    return t.bfloat16().float()
+
+
+def xnnpack_int8_rows(x: Tensor) -> Tensor:
+    """XNNPACK's dynamic int8 quantization of each row of x (float32), dequantized: range
+    [min(x, 0), max(x, 0)], scale = range / 255, zero point from XNNPACK's quantization.h
+    (rounded), q = clamp(round_half_even(x * (255 / range)) + zero point). Checked bit for bit
+    against the XNNPACK kernel in the tests."""
+    lo = x.amin(-1, keepdim=True).clamp(max=0.0)
+    hi = x.amax(-1, keepdim=True).clamp(min=0.0)
+    span = hi - lo
+    flat = span == 0
+    scale = torch.where(flat, torch.ones_like(span), span / 255.0)
+    # a true division: `255.0 / t` would compute reciprocal(t) * 255, one ulp off at times
+    inv = torch.where(flat, 1.0, torch.full_like(span, 255.0) / torch.where(flat, 1.0, span))
+    lo_s, hi_s = lo / scale, hi / scale
+    zero = torch.where((-128.0 + lo_s) + (127.0 + hi_s) > 0, -128.0 - lo_s, 127.0 - hi_s)
+    zero = zero.clamp(-128.0, 127.0).round()
+    q = (torch.round(x * inv) + zero).clamp(-128.0, 127.0)
+    return (q - zero) * scale
+
+
+class Int4ClusteredHead(ClusteredHead):
+    """The clustered head gathering its LM-head rows from int4 codes: the rows are dequantized
+    in fp32 exactly as the reference's (codes - zeros) * scales, then dotted with h."""
+
+    row_codes: Tensor  # int8 [vocab, hidden], codes - zeros
+    row_scales: Tensor  # f32 [vocab, hidden / group]
+
+    def forward(self, h: Tensor, lm_head_weight: Tensor) -> tuple[Tensor, Tensor]:
+        top = torch.topk(self.centroids(h), self.top_k).indices
+        ids = self.token_ordering.view(-1, self.tokens_per_centroid)[top].reshape(-1)
+        n, groups, group = ids.shape[0], self.row_scales.shape[1], self.row_group
+        rows = self.row_codes[ids].float().view(n, groups, group) * self.row_scales[ids][..., None]
+        return ids, rows.view(n, -1) @ h
+
+
+def _norm_dim(model: nn.Module, path: str, norm: nn.Module) -> int:
+    """The normalized size of an RMSNorm: its weight's, or the head size for the scale-free
+    value norm of an attention block."""
+    if norm.weight is not None:
+        return int(norm.weight.shape[0])
+    parent = model.get_submodule(path.rpartition(".")[0])
+    spec = getattr(parent, "spec", None)
+    if path.endswith("v_norm") and spec is not None:
+        return int(spec.head_dim)
+    raise EdgeMTPError(f"cannot tell the size of the scale-free norm {path}")
+
+
+def swap_int4(model: nn.Module, make: Callable[[Int4Weight], Int4Linear], role: str = "") -> dict:
+    """Swap (in place) every linear of `model` that has a 4-bit form to `make(weight)`, and a
+    clustered head over a 4-bit LM head to `Int4ClusteredHead`. Works on the reference models
+    too, so the reference engine can run a program's numerics. Returns what was converted."""
+    stats: dict[str, Any] = {"int4": {}, "offset_blocks": 0, "float_linears": [], "head": None}
+    stats.update(scales=0, bf16_rounded=0)
+    head = getattr(model, CLUSTERED_HEAD, None)
+    clustered = isinstance(head, ClusteredHead)
+    if clustered:
+        w = int4_of(model.lm_head)
+        stats["head"] = "fp32 rows gathered"
+        if w is not None:
+            head.__class__ = Int4ClusteredHead
+            head.register_buffer("row_codes", w.signed_codes(), persistent=False)
+            head.register_buffer("row_scales", w.scales.float(), persistent=False)
+            head.row_group = w.group
+            stats["head"] = f"int4 {w.scheme} rows gathered and dequantized in fp32"
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or (clustered and path == "lm_head"):
+            continue  # a clustered head reads its LM head only through the gather
+        w = int4_of(module)
+        if w is None:
+            stats["float_linears"].append(f"{role}.{path}" if role else path)
+            continue
+        parent_path, _, leaf = path.rpartition(".")
+        q = make(w)
+        setattr(model.get_submodule(parent_path) if parent_path else model, leaf, q)
+        stats["int4"][w.scheme] = stats["int4"].get(w.scheme, 0) + 1
+        scales = w.scales.float()
+        stats["scales"] += scales.numel()
+        stats["bf16_rounded"] += int((scales.bfloat16().float() != scales).sum())
+        if q.offset is not None:
+            stats["offset_blocks"] += int((q.offset != 0).sum())
+    return stats
+
+
+def xnnpack_forms(model: nn.Module, role: str = "") -> dict[str, Any]:
+    """Swap `model` (in place) to what the XNNPACK program computes: export forms of norms and
+    attention, the norm mean as a linear, 8da4w linears. On a loaded reference model this makes
+    the reference engine compute the program's numerics in eager PyTorch."""
+    make_exportable(model)
+    for path, module in list(model.named_modules()):
+        if type(module) is ExportRMSNorm:
+            d = _norm_dim(model, path, module)
+            module.__class__ = LinearMeanRMSNorm
+            module.register_buffer("mean_weight", torch.full((1, d), 1.0 / d), persistent=False)
+    return swap_int4(model, Int4Linear.xnnpack, role)
+
+
+def _bundle_models(static: StaticBundle) -> list[tuple[str, nn.Module]]:
+    models: list[tuple[str, nn.Module]] = [("target", static.target.target)]
+    if static.drafter is not None:
+        models.append(("drafter", static.drafter.drafter))
+    return models
+
+
+def prepare_xnnpack(static: StaticBundle) -> dict[str, Any]:
+    """Swap the bundle's models (in place) to the forms XNNPACK lowers: 8da4w linears, the
+    int4 clustered head, linear-mean norms. Returns what was converted."""
+    total: dict[str, Any] = {}
+    for role, model in _bundle_models(static):
+        stats = xnnpack_forms(model, role)
+        for key, value in stats.items():
+            if key == "int4":
+                for scheme, n in value.items():
+                    total.setdefault("int4", {})[scheme] = total.get("int4", {}).get(scheme, 0) + n
+            elif key == "head":
+                total["head"] = total.get("head") or value
+            else:
+                total[key] = total.get(key, type(value)()) + value
+    total.setdefault("int4", {})
+    return total
+
+
+# --- lowering --------------------------------------------------------------------------------
+
+
+def lower_executorch(
+    static: StaticBundle, delegate: str, out_dir: Path, progress: Progress
+) -> Lowered:
+    """Lower every method of `static` into `out_dir/model.pte` for `delegate`."""
+    lower = {"cpu": _lower_xnnpack, "htp": _lower_qnn}.get(delegate)
+    if lower is None and delegate in COREML_UNITS:
+        lower = partial(_lower_coreml, delegate=delegate)
+    if lower is None:
+        raise EdgeMTPError(
+            f"--backend executorch has no '{delegate}' delegate (choose cpu, metal, npu or htp)"
+        )
+    with warnings.catch_warnings():
+        # torch's pytree deprecations and ExecuTorch's note on mutable buffers, once per node
+        # and pass: thousands of lines that say nothing about this export
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message="Mutation on a buffer")
+        return lower(static, out_dir=Path(out_dir), progress=progress)
+
+
+def _export_all(static: StaticBundle, progress: Progress) -> dict[str, Any]:
+    programs = {}
+    for name, (module, inputs) in static.methods().items():
+        start = time.perf_counter()
+        programs[name] = export_method(module, inputs)
+        nodes = len(programs[name].graph.nodes)
+        progress(f"trace {name}: {nodes} nodes ({time.perf_counter() - start:.1f}s)")
+    return programs
+
+
+# What each method takes and returns (static.py): names for the manifest.
+INPUT_NAMES = {"draft_step": ["token_embed", "hidden", "position"]}
+TARGET_INPUTS = ["embeds", "token_ple", "positions"]
+OUTPUT_NAMES = {
+    "prefill_intermediate": ["cache_length"],
+    "prefill_final": ["hidden", "logits"],
+    "verify": ["logits", "hidden"],
+    "draft_step": ["hidden", "token_ids", "logits"],
+}
+
+
+def method_io(programs: dict[str, Any]) -> dict[str, Any]:
+    """Each method's inputs and outputs as the program sees them: [name, shape, dtype]. The
+    cache is internal (shared buffers), so these are exactly the logical inputs and outputs."""
+
+    def describe(name: str, node: Any) -> list[Any]:
+        val = node.meta["val"]
+        return [name, list(val.shape), str(val.dtype).removeprefix("torch.")]
+
+    out: dict[str, Any] = {}
+    for method, program in programs.items():
+        sig = program.graph_signature
+        nodes = {n.name: n for n in program.graph.nodes}
+        names = OUTPUT_NAMES.get(method.rstrip("0123456789").rstrip("_"), [])
+        inputs = INPUT_NAMES.get(method, TARGET_INPUTS)
+        outputs = [str(n) for n in sig.user_outputs]
+        out[method] = {
+            "inputs": [
+                describe(inputs[i] if i < len(inputs) else n, nodes[n])
+                for i, n in enumerate(sig.user_inputs)
+            ],
+            "outputs": [
+                describe(names[i] if i < len(names) else n, nodes[n]) for i, n in enumerate(outputs)
+            ],
+        }
+    return out
+
+
+def _lower_xnnpack(static: StaticBundle, out_dir: Path, progress: Progress) -> Lowered:
+    start = time.perf_counter()
+    stats = prepare_xnnpack(static)
+    programs = _export_all(static, progress)
+    io = method_io(programs)
+    t = time.perf_counter()
+    partitioners: list[Any] = []
+
+    def fresh() -> list[Any]:
+        partitioners.append(xnnpack_partitioner())
+        return partitioners[-1:]
+
+    edge = lower_programs(programs, fresh, progress)
+    progress(f"lower {len(programs)} methods to XNNPACK ({time.perf_counter() - t:.1f}s)")
+    summary = delegation_summary(edge, exempt=(CLUSTERED_HEAD,))
+    full = {k: v for p in partitioners for k, v in p.full_pipeline.items()}
+    t = time.perf_counter()
+    data = edge.to_executorch(backend_config()).buffer
+    (out_dir / PROGRAM).write_bytes(data)
+    progress(f"emit {PROGRAM}: {len(data) / 2**20:.1f} MiB ({time.perf_counter() - t:.1f}s)")
+    delegates = sum(m["delegates"] for m in summary.values())
+    portable = sum(m["portable_nodes"] for m in summary.values())
+    progress(
+        f"XNNPACK: {delegates} delegates, {sum(stats['int4'].values())} 8da4w linears, "
+        f"{portable} portable ops left (cache writes, masks, lookups); "
+        f"{time.perf_counter() - start:.1f}s in all"
+    )
+    details = {
+        "delegate": "XNNPACK",
+        "delegation": summary,
+        "int4_linears": stats["int4"],
+        "offset_blocks": stats["offset_blocks"],
+        "float_linears": stats["float_linears"],
+        "full_xnnpack_pipeline": full,  # partition tag -> op that needed every XNNPACK pass
+    }
+    return Lowered(
+        files=[PROGRAM],
+        program=PROGRAM,
+        numerics=xnnpack_numerics(stats),
+        details=details,
+        method_io=io,
+    )
+
+
+def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
+    """What the XNNPACK program computes, as converted by `prepare_xnnpack`."""
+    schemes = stats["int4"]
+    out: dict[str, str] = {}
+    if schemes:
+        rounded = stats["bf16_rounded"]
+        scales = [
+            "block scales as bf16 (XNNPACK's blockwise int4 format): "
+            + (
+                f"{rounded} of {stats['scales']} scales were not bf16 values and are rounded "
+                "(relative weight error <= 2^-9)"
+                if rounded
+                else f"all {stats['scales']} scales are bf16 values, so the weights are exact"
+            )
+        ]
+        out["weights"] = (
+            f"{sum(schemes.values())} linears ({', '.join(f'{n} {s}' for s, n in schemes.items())})"
+            f": the checkpoint's int4 codes, group 32, as XNNPACK blockwise int4 (8da4w); "
+            + "; ".join(scales)
+        )
+        out["activations"] = (
+            "int8 dynamic, asymmetric, one scale and zero point per row (token), computed by "
+            "XNNPACK at run time: scale = (max(x,0) - min(x,0)) / 255; never 16-bit"
+        )
+        out["accumulation"] = "int32 per 32-block, times the block scale, summed in fp32"
+        if stats["offset_blocks"]:
+            out["offsets"] = (
+                f"{stats['offset_blocks']} blocks with a negative scale or a zero point other "
+                "than 8 are stored as codes' * |scale| + offset (exact); the offset times the "
+                "block's activation sum is added in fp32 from the unquantized activations"
+            )
+        if stats["float_linears"]:
+            out["float_linears"] = (
+                f"{len(stats['float_linears'])} linears without a 4-bit form stay fp32 "
+                f"(e.g. {stats['float_linears'][0]})"
+            )
+    else:
+        out["weights"] = "fp32 (as loaded)"
+        out["activations"] = "fp32"
+        out["accumulation"] = "fp32"
+    if stats["head"]:
+        out["drafter_head"] = (
+            f"clustered head: {stats['head']}, fp32 dot products (portable kernels; a gather by "
+            "token id is not a linear)"
+        )
+    out["norms"] = "RMSNorm mean of squares as a 1-output fp32 linear (weights 1/d)"
+    out["cache"] = "fp32 K/V, shared in place by every method"
+    return out
+
+
+def _lower_coreml(
+    static: StaticBundle, out_dir: Path, progress: Progress, delegate: str
+) -> Lowered:
+    """Core ML delegate: each method's supported subgraphs become Core ML models (fp16 compute,
+    iOS 18 / macOS 15 target for int4 blockwise weights) inside the .pte; the cache stays an
+    ExecuTorch buffer shared by every method (Core ML states are per model, and whether two
+    functions may share one can only be checked on Apple hardware)."""
+    try:
+        import coremltools as ct
+        from executorch.backends.apple.coreml.compiler import CoreMLBackend
+        from executorch.backends.apple.coreml.partition import CoreMLPartitioner
+    except ImportError as e:
+        raise EdgeMTPError(
+            f"--delegate {delegate} needs coremltools and ExecuTorch's Core ML backend ({e}): "
+            "pip install coremltools (or use --delegate cpu)"
+        ) from e
+    start = time.perf_counter()
+    counts: dict[str, int] = {}
+    for _, model in _bundle_models(static):
+        for scheme, n in swap_int4(model, Int4Linear.weight_only)["int4"].items():
+            counts[scheme] = counts.get(scheme, 0) + n
+    programs = _export_all(static, progress)
+    io = method_io(programs)
+    units = COREML_UNITS[delegate]
+    specs = CoreMLBackend.generate_compile_specs(
+        compute_unit=ct.ComputeUnit[units],
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT16,
+    )
+
+    def partitioners() -> list[Any]:
+        inner = CoreMLPartitioner(
+            compile_specs=specs,
+            take_over_mutable_buffer=False,
+            # the cache writes stay ExecuTorch ops on the shared buffer (and coremltools 9
+            # cannot convert these index_put patterns)
+            skip_ops_for_coreml_delegation=["aten.index_put.default", "aten.index_copy.default"],
+        )
+        return [static_partitioner(inner)]
+
+    t = time.perf_counter()
+    edge = lower_programs(programs, partitioners, progress)
+    progress(f"lower {len(programs)} methods to Core ML {units} ({time.perf_counter() - t:.1f}s)")
+    summary = delegation_summary(edge, exempt=(CLUSTERED_HEAD,), backend="Core ML")
+    data = edge.to_executorch(backend_config()).buffer
+    (out_dir / PROGRAM).write_bytes(data)
+    progress(f"emit {PROGRAM}: {len(data) / 2**20:.1f} MiB ({time.perf_counter() - start:.1f}s)")
+    n4 = sum(counts.values())
+    numerics = {
+        "weights": (
+            f"{n4} linears: the checkpoint's int4 codes and zero points as Core ML blockwise "
+            "int4 constants (exact); scales stored fp16 by the FLOAT16 precision (exact for "
+            "Q4_0, and for bf16 W4A16 scales inside fp16's normal range)"
+            if n4
+            else "fp32 as loaded, stored fp16 by Core ML"
+        ),
+        "activations": "fp16 (Core ML compute precision FLOAT16)",
+        "accumulation": f"fp16 on {'the GPU' if delegate == 'metal' else 'the Neural Engine'}",
+        "cache": "fp32 ExecuTorch buffer shared by every method, cast to fp16 inside Core ML",
+        "runs_on": "macOS 15+ / iOS 18+ with ExecuTorch's Core ML backend (not on Linux)",
+    }
+    return Lowered(
+        files=[PROGRAM],
+        program=PROGRAM,
+        numerics=numerics,
+        details={"delegate": f"Core ML {units}", "delegation": summary, "int4_linears": counts},
+        method_io=io,
+    )
+
+
+def qnn_sdk() -> Path:
+    """The QNN SDK root, or EdgeMTPError: QNN_SDK_ROOT must point at an installed SDK, and
+    ExecuTorch's compiled QNN adaptor must import."""
+    root = os.environ.get("QNN_SDK_ROOT")
+    if not root or not (Path(root) / "lib").is_dir():
+        raise EdgeMTPError(QNN_MISSING)
+    try:
+        import executorch.backends.qualcomm.python.PyQnnManagerAdaptor  # noqa: F401
+    except ImportError as e:
+        raise EdgeMTPError(QNN_MISSING) from e
+    return Path(root)
+
+
+def _lower_qnn(static: StaticBundle, out_dir: Path, progress: Progress) -> Lowered:
+    """QNN HTP in fp16 (the int4 weights are dequantized: QNN's 4-bit weights come from its own
+    calibrating quantizer, which would not keep the checkpoint's values). The SoC comes from
+    EDGEMTP_QNN_SOC (default SM8650)."""
+    qnn_sdk()
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+        get_soc_to_chipset_map,
+        to_edge_transform_and_lower_to_qnn,
+    )
+
+    from edgemtp.export.lower import _TanhGelu
+
+    soc = os.environ.get("EDGEMTP_QNN_SOC", "SM8650")
+    chipsets = get_soc_to_chipset_map()
+    if soc not in chipsets:
+        raise EdgeMTPError(f"EDGEMTP_QNN_SOC={soc} is not a known SoC ({', '.join(chipsets)})")
+    specs = generate_qnn_executorch_compiler_spec(
+        soc_model=chipsets[soc], backend_options=generate_htp_compiler_spec(use_fp16=True)
+    )
+    methods = static.methods()
+    start = time.perf_counter()
+    with torch.no_grad(), _TanhGelu():
+        edge = to_edge_transform_and_lower_to_qnn(
+            {name: module.requires_grad_(False) for name, (module, _) in methods.items()},
+            {name: inputs for name, (_, inputs) in methods.items()},
+            specs,
+            skip_mutable_buffer=True,  # the cache stays one ExecuTorch buffer for every method
+        )
+    progress(f"lower {len(methods)} methods to QNN HTP {soc} ({time.perf_counter() - start:.1f}s)")
+    data = edge.to_executorch(backend_config()).buffer
+    (out_dir / PROGRAM).write_bytes(data)
+    return Lowered(
+        files=[PROGRAM],
+        program=PROGRAM,
+        numerics={
+            "weights": "fp16 (int4 weights dequantized to fp16)",
+            "activations": "fp16",
+            "accumulation": "fp16 on the Hexagon HTP",
+            "cache": "fp32 ExecuTorch buffer shared by every method",
+        },
+        details={
+            "delegate": f"QNN HTP {soc}",
+            "delegation": delegation_summary(edge, exempt=(CLUSTERED_HEAD,), backend="QNN"),
+        },
+        method_io={},
+    )
