@@ -955,19 +955,11 @@ class CoreMLRunner(_HostPositions):
 
 def require_macos15() -> None:
     """Core ML `predict` with states and multifunction packages needs macOS 15+."""
-    system = platform.system()
-    if system != "Darwin":
-        host = "Linux" if system == "Linux" else system or "unknown"
-        raise EdgeMTPError(
-            f"running a Core ML bundle needs macOS 15+ (this host is {host}); run it on a Mac "
-            "or export --backend executorch/onnx"
-        )
-    version = platform.mac_ver()[0]
-    if int(version.split(".")[0] or 0) < 15:
-        raise EdgeMTPError(
-            f"running a Core ML bundle needs macOS 15+ (this host is macOS {version}); update "
-            "macOS or export --backend executorch/onnx"
-        )
+    from edgemtp.devices.capabilities import macos_missing
+
+    missing = macos_missing(platform.system(), platform.mac_ver()[0])
+    if missing:
+        raise EdgeMTPError(f"{missing}: run it on a Mac, or export --backend executorch/onnx")
 
 
 class TorchCoreMLRunner(_HostPositions):

@@ -1,0 +1,1 @@
+"""Device profiles, delegate capabilities and the host-side simulator."""
