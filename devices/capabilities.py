@@ -17,7 +17,6 @@ from edgemtp.errors import EdgeMTPError
 EXECUTORCH_BACKENDS = {"cpu": "XnnpackBackend", "metal": "CoreMLBackend", "npu": "CoreMLBackend"}
 EXECUTORCH_BACKENDS["htp"] = "QnnBackend"
 ONNX_PROVIDERS = {"cpu": "CPUExecutionProvider", "htp": "QNNExecutionProvider"}
-COREML_DELEGATES = ("cpu", "metal", "npu")
 QNN_HTP_LIBRARY = "libQnnHtp.so"
 ARM64 = ("aarch64", "arm64", "ARM64")
 
@@ -58,21 +57,27 @@ def macos_missing(system: str, version: str, what: str = "running a Core ML bund
 def why_not(backend: str, delegate: str, host: Host | None = None) -> str | None:
     """None when a `backend` bundle for `delegate` can run on `host` (default: this one),
     else one line saying what is missing and what to do."""
+    from edgemtp.export.bundle import SUPPORTED, check_pair
+
+    if backend not in SUPPORTED:
+        check_pair(backend, delegate)  # raises: unknown backend
+    try:
+        check_pair(backend, delegate)
+    except EdgeMTPError as e:
+        return str(e)
     host = host or Host.detect()
     if backend == "executorch":
         return _executorch(delegate, host)
     if backend == "onnx":
         return _onnx(delegate, host)
     if backend == "coreml":
-        if delegate not in COREML_DELEGATES:
-            return f"Core ML has no '{delegate}' delegate (it has {', '.join(COREML_DELEGATES)})"
         missing = macos_missing(host.system, host.mac_version)
         if missing:
             return f"{missing}: run it on a Mac, or export --backend executorch/onnx"
         if not host.coremltools:
             return "running a Core ML bundle needs coremltools: pip install coremltools"
         return None
-    raise EdgeMTPError(f"unknown backend '{backend}' (choose executorch, coreml or onnx)")
+    raise AssertionError(backend)  # SUPPORTED names no other backend
 
 
 def require(backend: str, delegate: str, host: Host | None = None) -> None:
@@ -84,19 +89,14 @@ def require(backend: str, delegate: str, host: Host | None = None) -> None:
 
 def runnable_here(host: Host | None = None) -> dict[str, dict[str, str | None]]:
     """backend -> delegate -> None (runs here) or why not: the host's whole capability table."""
+    from edgemtp.export.bundle import SUPPORTED
+
     host = host or Host.detect()
-    delegates = {
-        "executorch": tuple(EXECUTORCH_BACKENDS),
-        "onnx": tuple(ONNX_PROVIDERS),
-        "coreml": COREML_DELEGATES,
-    }
-    return {b: {d: why_not(b, d, host) for d in ds} for b, ds in delegates.items()}
+    return {b: {d: why_not(b, d, host) for d in ds} for b, ds in SUPPORTED.items()}
 
 
 def _executorch(delegate: str, host: Host) -> str | None:
-    backend = EXECUTORCH_BACKENDS.get(delegate)
-    if backend is None:
-        return f"ExecuTorch has no '{delegate}' delegate (it has {', '.join(EXECUTORCH_BACKENDS)})"
+    backend = EXECUTORCH_BACKENDS[delegate]
     if host.executorch_backends is None:
         return "running an ExecuTorch bundle needs executorch: pip install executorch==1.5.1"
     if delegate in ("metal", "npu"):
@@ -124,9 +124,7 @@ def _executorch(delegate: str, host: Host) -> str | None:
 
 
 def _onnx(delegate: str, host: Host) -> str | None:
-    provider = ONNX_PROVIDERS.get(delegate)
-    if provider is None:
-        return f"ONNX has no '{delegate}' delegate (it has {', '.join(ONNX_PROVIDERS)})"
+    provider = ONNX_PROVIDERS[delegate]
     if host.onnx_providers is None:
         return "running an ONNX bundle needs onnxruntime: pip install onnxruntime"
     if provider not in host.onnx_providers:

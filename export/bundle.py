@@ -313,9 +313,12 @@ def check_pair(backend: str, delegate: str) -> None:
         raise EdgeMTPError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
     if delegate not in SUPPORTED[backend]:
         others = [b for b in BACKENDS if delegate in SUPPORTED[b]]
+        where = "no backend has it"
+        if others:
+            where = f"for {delegate} use --backend {' or '.join(others)}"
         raise EdgeMTPError(
             f"--backend {backend} has no '{delegate}' delegate (it has "
-            f"{', '.join(SUPPORTED[backend])}); for {delegate} use --backend {' or '.join(others)}"
+            f"{', '.join(SUPPORTED[backend])}); {where}"
         )
 
 
