@@ -23,30 +23,69 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def _mtp(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        depth = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': expected auto or a depth (0 = AR)") from None
+    if depth < 0:
+        raise argparse.ArgumentTypeError(f"--mtp must be auto or >= 0, got {depth}")
+    return depth
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text with a Gemma 4 checkpoint (reference CPU)")
-    p.add_argument("--model", required=True, type=Path, help="target checkpoint folder (HF layout)")
-    p.add_argument("--drafter", type=Path, help="MTP assistant checkpoint folder")
+    p = sub.add_parser(
+        "generate", help="generate text from an export bundle or a checkpoint (reference CPU)"
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the weights)")
-    src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, e.g. 2,651,1234")
+    src.add_argument("--bundle", type=Path, help="export bundle folder (edgemtp export)")
+    src.add_argument("--model", type=Path, help="target checkpoint folder: the reference engine")
+    p.add_argument("--drafter", type=Path, help="MTP assistant checkpoint folder (with --model)")
+    p.add_argument(
+        "--delegate",
+        choices=["cpu", "metal", "npu", "htp"],
+        help="run a bundle on another delegate than it was exported for, where its backend can "
+        "(ONNX htp bundle on the CPU EP; Core ML compute units)",
+    )
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs the tokenizer.json of the model)")
+    prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, e.g. 2,651,1234")
     p.add_argument("--max-new-tokens", type=int, required=True, help="committed tokens to make")
-    p.add_argument("--mtp", type=int, help="draft depth (default 2 with a drafter; 0 = plain AR)")
+    p.add_argument(
+        "--mtp",
+        type=_mtp,
+        default="auto",
+        help="draft depth: auto (default; the fastest depth as measured while running, 0 "
+        "without a drafter) or a pinned depth (0 = plain AR)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token(s)")
-    p.add_argument("--no-prune", action="store_true", help="no prefill pruning (A/B)")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--no-prune", action="store_true", help="no prefill pruning (A/B; --model)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="rows per prefill (--model)")
+    p.add_argument("--max-context", type=int, help="reference cache size (--model; default 4096)")
+    p.add_argument(
+        "--max-draft", type=int, default=4, help="deepest draft for --mtp auto (--model)"
+    )
     p.add_argument("--chat", action="store_true", help="apply Gemma's chat turn format")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the SHA-256 check of the bundle's files (for repeated loads of one bundle)",
+    )
+    p.add_argument("--battery-wh", type=float, help="battery capacity, for battery %% per 1k")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.add_argument(
         "--threads",
         type=int,
-        help="torch intra-op threads (default: 1 for small models, where waking a thread pool "
-        "costs more than it saves and collapses on a busy machine; torch's choice otherwise)",
+        help="compute threads (torch, XNNPACK or ORT; default: 1 for small models, where "
+        "waking a thread pool costs more than it saves and collapses on a busy machine; all "
+        "cores otherwise)",
     )
 
 
@@ -150,20 +189,62 @@ def default_threads(cfg) -> int:
     return 1 if step < 5e7 else torch.get_num_threads()
 
 
+def _open_session(args: argparse.Namespace):
+    """The session `generate` runs: a bundle, or the reference engine over checkpoints."""
+    from edgemtp.runtime.session import Session
+
+    def progress(msg: str) -> None:
+        if not args.json:
+            print(f"-- {msg}", file=sys.stderr, flush=True)
+
+    if args.bundle is not None:
+        for flag, given in (("--drafter", args.drafter), ("--max-context", args.max_context)):
+            if given:
+                raise EdgeMTPError(f"{flag} is for --model; a bundle carries its own")
+        if args.no_verify:
+            progress("--no-verify: not checking the bundle's files against their SHA-256")
+        return Session.from_bundle(
+            args.bundle,
+            delegate=args.delegate,
+            threads=args.threads or _bundle_threads(args.bundle),
+            verify=not args.no_verify,
+            progress=progress,
+        )
+    if args.delegate not in (None, "cpu"):
+        raise EdgeMTPError("--model runs the reference engine on the CPU; export a bundle first")
+    if args.mtp not in ("auto", 0) and not args.drafter:
+        raise EdgeMTPError("--mtp needs --drafter (an MTP assistant checkpoint)")
+    return Session.from_checkpoints(
+        args.model,
+        args.drafter,
+        max_context=args.max_context,
+        max_draft=max(args.max_draft, args.mtp if isinstance(args.mtp, int) else 0),
+        prefill_chunk=args.prefill_chunk,
+        prune=not args.no_prune,
+    )
+
+
+def _bundle_threads(bundle: Path) -> int:
+    from edgemtp.model.checkpoint import target_config
+
+    try:
+        raw = json.loads((bundle / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return 1  # the session names the problem
+    return default_threads(target_config(raw, str(bundle)))
+
+
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from edgemtp.model.checkpoint import load_drafter, load_target
-    from edgemtp.runtime.generate import generate
+    from edgemtp.runtime.probes import EnergyMeter, peak_rss_mb
     from edgemtp.runtime.sampling import SamplingParams
-    from edgemtp.runtime.tokenizer import load_tokenizer
 
     _check_positive("--max-new-tokens", args.max_new_tokens)
     _check_positive("--prefill-chunk", args.prefill_chunk)
-    _check_positive("--mtp", args.mtp, 0)
     _check_positive("--threads", args.threads)
-    if args.mtp and not args.drafter:
-        raise EdgeMTPError("--mtp needs --drafter (an MTP assistant checkpoint)")
+    _check_positive("--max-context", args.max_context, 2)
+    _check_positive("--max-draft", args.max_draft, 0)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -172,29 +253,25 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     t0 = time.perf_counter()
-    target = load_target(args.model)
-    drafter = load_drafter(args.drafter, target.cfg) if args.drafter else None
+    session = _open_session(args)
     load_s = time.perf_counter() - t0
-    torch.set_num_threads(args.threads or default_threads(target.cfg))
-    tokenizer = load_tokenizer(args.model)
+    if args.bundle is None:
+        torch.set_num_threads(args.threads or default_threads(session.backend.target.cfg))
+    else:
+        torch.set_num_threads(1)  # host-side lookups only; the program has its own threads
+    tokenizer = session.tokenizer
     if args.prompt is not None:
         if tokenizer is None:
-            raise EdgeMTPError(f"{args.model}: no tokenizer.json; pass --prompt-ids instead")
+            where = args.bundle or args.model
+            raise EdgeMTPError(f"{where}: no tokenizer.json; pass --prompt-ids instead")
         prompt = tokenizer.encode_prompt(args.prompt, chat=args.chat)
     else:
         if args.chat:
             raise EdgeMTPError("--chat needs --prompt text")
         prompt = args.prompt_ids
-    bad = [i for i in prompt if not 0 <= i < target.cfg.vocab_size]
-    if bad:
-        vocab = target.cfg.vocab_size
-        raise EdgeMTPError(f"prompt ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-    stop_ids = () if args.ignore_eos else target.cfg.eos_token_ids
-    if tokenizer is not None and not args.ignore_eos:
-        stop_ids = (*stop_ids, *tokenizer.extra_stop_ids)
+    stop_ids = () if args.ignore_eos else session.stop_ids
 
     out_ids: list[int] = []
-
     printed = [0]  # characters of the decoded text already written
 
     def stream(new: list[int]) -> None:
@@ -209,25 +286,33 @@ def run_generate(args: argparse.Namespace) -> int:
             sys.stdout.write("".join(f"{t} " for t in new))
         sys.stdout.flush()
 
+    energy = EnergyMeter(battery_wh=args.battery_wh)
+    energy.begin()
     with torch.no_grad():
-        result = generate(
-            target,
+        result = session.generate(
             prompt,
             args.max_new_tokens,
-            drafter=drafter,
-            mtp_depth=args.mtp,
+            mtp=args.mtp,
             params=params,
             stop_ids=tuple(stop_ids),
-            prune=not args.no_prune,
-            prefill_chunk=args.prefill_chunk,
             on_tokens=stream,
         )
-    metrics = {**result.metrics(), "load_s": load_s, "stop_reason": result.stop_reason}
+    metrics = {
+        **result.metrics(),
+        "load_s": load_s,
+        "stop_reason": result.stop_reason,
+        "peak_rss_mb": peak_rss_mb(),
+        "energy": energy.report(len(result.tokens)),
+        "mtp": args.mtp,
+    }
+    if args.mtp == "auto" and session.adaptive is not None:
+        metrics["adaptive"] = session.adaptive.summary()
     if args.json:
         payload = {
             "tokens": result.tokens,
             "text": tokenizer.decode(result.tokens) if tokenizer else None,
             "prompt_ids": prompt,
+            "session": session.info,
             "metrics": metrics,
             "trace": [asdict(step) for step in result.steps],
         }
@@ -241,21 +326,24 @@ def run_generate(args: argparse.Namespace) -> int:
             f"prefill {metrics['prefill_tok_s']:.1f} tok/s" if metrics["prefill_tok_s"] else "",
             f"decode {rate:.1f} tok/s" if rate else "",
         ]
-        if drafter is not None and metrics["drafted"]:
+        if metrics["drafted"]:
+            depths = ", ".join(f"{k}x{n}" for k, n in metrics["mtp_depths_used"].items())
             summary.append(
                 f"accepted {metrics['accepted']}/{metrics['drafted']} drafts, "
-                f"{metrics['mean_committed_per_forward']:.2f} tokens/forward"
+                f"{metrics['mean_committed_per_forward']:.2f} tokens/forward (depth x rounds: "
+                f"{depths})"
             )
+        if metrics["peak_rss_mb"] is not None:
+            summary.append(f"peak RSS {metrics['peak_rss_mb']:.0f} MB")
         print("-- " + ", ".join(s for s in summary if s), file=sys.stderr)
     return 0
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    import resource
-
     import torch
 
     from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+    from edgemtp.runtime.probes import peak_rss_mb
 
     settings = Settings(
         scheme=args.scheme,
@@ -278,7 +366,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     summary = quantize_checkpoint(
         args.model, args.out, settings, hessians, progress=progress, overwrite=args.force
     )
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = peak_rss_mb()
     print(
         f"wrote {args.out}: {summary['bytes'] / 2**30:.3f} GiB in {summary['seconds']:.1f} s, "
         f"peak RSS {peak_mb:.0f} MB"
@@ -375,14 +463,13 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    import resource
-
     import torch
 
     from edgemtp.export.bundle import ExportRequest, export
     from edgemtp.export.static import StaticShapes
     from edgemtp.model.checkpoint import open_checkpoint, target_config
     from edgemtp.runtime.kv_cache import ring_size
+    from edgemtp.runtime.probes import peak_rss_mb
 
     _check_positive("--max-context", args.max_context, 2)
     _check_positive("--draft-depth", args.draft_depth, 0)
@@ -418,7 +505,7 @@ def run_export(args: argparse.Namespace) -> int:
     )
     manifest = export(request, progress)
     size = sum(f["bytes"] for f in manifest["files"].values())
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = peak_rss_mb()
     print(
         f"wrote {args.out}: {size / 2**20:.1f} MiB ({manifest['quantization']['scheme']}, "
         f"{args.backend}/{args.delegate}, {len(manifest['methods'])} methods) in "

@@ -32,15 +32,17 @@ class Host:
     qnn_libraries: bool = False  # libQnnHtp.so found (QNN_SDK_ROOT or the library path)
 
     @classmethod
-    def detect(cls) -> Host:
-        """This machine, with the runtimes installed in this Python."""
+    def detect(cls, backend: str | None = None) -> Host:
+        """This machine, with the runtimes installed in this Python; with `backend`, only the
+        runtime that backend needs is probed (importing ExecuTorch is slow and noisy)."""
+        wants = {backend} if backend else {"executorch", "onnx", "coreml"}
         return cls(
             system=platform.system(),
             machine=platform.machine(),
             mac_version=platform.mac_ver()[0],
-            executorch_backends=_executorch_backends(),
-            onnx_providers=_onnx_providers(),
-            coremltools=_importable("coremltools"),
+            executorch_backends=_executorch_backends() if "executorch" in wants else None,
+            onnx_providers=_onnx_providers() if "onnx" in wants else None,
+            coremltools=_importable("coremltools") if "coreml" in wants else False,
             qnn_libraries=_qnn_libraries(),
         )
 
@@ -65,7 +67,7 @@ def why_not(backend: str, delegate: str, host: Host | None = None) -> str | None
         check_pair(backend, delegate)
     except EdgeMTPError as e:
         return str(e)
-    host = host or Host.detect()
+    host = host or Host.detect(backend)
     if backend == "executorch":
         return _executorch(delegate, host)
     if backend == "onnx":

@@ -132,6 +132,7 @@ def open_tables(bundle: Path, cfg: TextConfig, description: dict[str, Any]) -> T
     from edgemtp.quantize.tables import Int8Rows, Q4_0Rows
 
     file = SafetensorsFile(Path(bundle) / description["file"])
+    file.advise_random()
 
     def rows(role: str) -> Rows:
         d = description[role]

@@ -939,18 +939,18 @@ class CoreMLRunner(_HostPositions):
             if n.startswith("pos_")
         }
         units = ct.ComputeUnit[compute_units]
-        self.models = {
+        self.methods = {
             name: ct.models.MLModel(str(package), function_name=name, compute_units=units)
             for name in self.io
         }
         # One state for every function: the drafter reads the cache the target writes.
-        self.state = self.models[first].make_state()
+        self.state = self.methods[first].make_state()
         # Masked slots must hold finite values (0 * NaN would poison the attention sums).
         for name, state in report[first]["states"].items():
             self.state.write_state(name, np.zeros(state["shape"], np.float16))
 
     def _run(self, method: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.models[method].predict(feeds, state=self.state)
+        return self.methods[method].predict(feeds, state=self.state)
 
 
 def require_macos15() -> None:

@@ -1237,7 +1237,7 @@ def lower_onnx(
     if delegate == "htp":
         assert tables is not None
         start = time.perf_counter()
-        ranges = calibrate(methods, folder, static.shapes, tables, calibration_prompt)
+        ranges = calibrate(methods, folder, static, tables, calibration_prompt)
         counts = {}
         for m in methods:
             counts[m.name] = insert_activation_qdq(m.graph, ranges, _range_keys(m))
@@ -1294,15 +1294,17 @@ def _range_keys(m: MethodGraph) -> dict[str, str]:
 def calibrate(
     methods: list[MethodGraph],
     folder: Path,
-    shapes: StaticShapes,
+    static: StaticBundle,
     tables: TokenTables,
     prompt: list[int] | None,
 ) -> dict[str, tuple[float, float]]:
     """Min/max of every float activation and input over greedy decoding of `prompt` (AR and
     every draft depth) on the CPU EP, with the float-activation graphs (the same
     DequantizeLinear weights), pooled by `_range_keys` across methods."""
-    from edgemtp.export.driver import StaticDriver
+    from edgemtp.runtime.backends import StaticBackend
+    from edgemtp.runtime.generate import FixedDepth, decode
 
+    shapes = static.shapes
     observe = {m.name: _activations(m.graph)[0] for m in methods}
     for m in methods:
         m.graph.outputs += observe[m.name]
@@ -1315,11 +1317,17 @@ def calibrate(
             n = min(4 * shapes.chunk + 3, shapes.max_context // 2)
             prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
         budget = max(1, min(16, shapes.max_context - len(prompt) - shapes.max_draft - 1))
-        driver = StaticDriver(runner, tables)
-        if "draft_step" not in runner.methods:  # no drafter: verify_k still needs k drafts
-            driver.draft = lambda token, hidden, position, depth: [token] * depth  # type: ignore
+        backend = StaticBackend(runner, tables, static.target.target.cfg)
+        if not backend.has_drafter:  # verify_k still needs k drafts: repeat the token
+            backend.has_drafter = True
+            backend.draft_step = lambda token, hidden, position: (  # type: ignore[method-assign]
+                hidden,
+                torch.tensor([token]),
+                torch.zeros(1),
+            )
         for depth in shapes.verify_depths():
-            driver.generate(prompt, budget, depth)
+            backend.truncate(0)
+            decode(backend, prompt, budget, policy=FixedDepth(depth))
     finally:
         for m in methods:
             m.graph.outputs = m.graph.outputs[: len(m.graph.outputs) - len(observe[m.name])]
@@ -1420,6 +1428,7 @@ class OnnxRunner:
             watched = {v: shapes_of[v] for v in observe.get(name, [])}
             self.methods[name] = _Method(session, binding, spec, scratch, watched)
         self.ranges: dict[str, dict[str, tuple[float, float]]] = {}
+        self.bytes_copied = 0  # cache rows (and slot positions) written back on the host
         self._ort = ort
 
     def cache_value(self, method: str, name: str) -> Any:
@@ -1450,6 +1459,7 @@ class OnnxRunner:
             self._record(method, m, keep, watched)
         done = m.scratch
         for u in spec["updates"]:
+            self.bytes_copied += done[u["output"]].nbytes
             if u["kind"] == "copy":
                 self.arrays[u["cache"]][...] = done[u["output"]]
             elif u["kind"] == "rows":

@@ -112,6 +112,12 @@ class SafetensorsFile:
             data = bytearray(f.read((stop - start) * row_bytes))
         return torch.frombuffer(data, dtype=dtype).view(stop - start, *shape[1:])
 
+    def advise_random(self) -> None:
+        """Tell the kernel rows are read at random (lookup tables): no read-ahead around each
+        touched row, so resident memory follows the rows looked up."""
+        if self._map is not None and hasattr(mmap, "MADV_RANDOM"):  # not on Windows
+            self._map.madvise(mmap.MADV_RANDOM)
+
     def tensor(self, name: str) -> torch.Tensor:
         """A zero-copy view of the mapped file (pages load on first touch)."""
         dtype, shape, begin, end = self._entries[name]

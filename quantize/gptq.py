@@ -33,7 +33,8 @@ from edgemtp.quantize.w4a16 import (
     _compute_dtype,
     quantize_w4a16,
 )
-from edgemtp.runtime.generate import DEFAULT_PREFILL_CHUNK, prefill
+from edgemtp.runtime.backends import PREFILL_CHUNK as DEFAULT_PREFILL_CHUNK
+from edgemtp.runtime.backends import prefill
 from edgemtp.runtime.kv_cache import KVCache
 
 _LM_HEAD = "lm_head"

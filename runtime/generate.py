@@ -1,21 +1,27 @@
-"""The reference decoding engine: chunked prefill with KV-shared-layer pruning, AR and MTP decoding.
+"""The decoding engine: prefill, then AR or MTP rounds, over any backend (`runtime.backends`).
 
-One sequence. The target owns the KV cache; the drafter reads it in place. `max_new_tokens`
-counts committed tokens only: the draft depth shrinks near the end of the budget so drafted tokens
-never spend it.
+One sequence. The backend owns the target's KV cache; the drafter reads it in place. Each round
+drafts k tokens after the last committed one, verifies all k+1 rows in one target forward, keeps
+the agreeing prefix plus one token of the target's own, and rolls the cache back past the rest.
+`max_new_tokens` counts committed tokens only: the draft depth shrinks near the end of the budget
+(and of the context) so drafted tokens never spend it. A depth policy picks k each round: pinned,
+or adaptive (`runtime.adaptive`).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from edgemtp.model.checkpoint import Drafter, Target
-from edgemtp.runtime.kv_cache import KVCache
+from edgemtp.runtime.backends import PREFILL_CHUNK, Backend, ReferenceBackend
 from edgemtp.runtime.sampling import (
     SamplingParams,
     greedy_accept,
@@ -25,20 +31,32 @@ from edgemtp.runtime.sampling import (
     speculative_accept,
 )
 
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
+PHASES = ("embed", "target", "drafter", "sampling")
 
 
 @dataclass
 class Step:
-    """One target forward (a prefill chunk or a decode round) and what it committed."""
+    """One prefill or decode round: what it did, what it committed, where its time went."""
 
     kind: str  # "prefill" | "decode"
     start: int  # position of the first row
-    rows: int  # rows through the non-shared layers
+    rows: int  # prompt rows (prefill) or rows verified (decode: k + 1)
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)  # per phase: draft, verify, accept, ...
+    # Per phase (embed, target, drafter, sampling, host = the rest) and total: the wall time from
+    # the previous tokens reaching the caller to this round's reaching it.
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_moved: int = 0  # inputs, outputs and cache rows the host copied
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    i = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[i]
 
 
 @dataclass
@@ -49,21 +67,37 @@ class Generation:
     t_start: float
     t_first: float
     t_end: float
-    stop_reason: str
+    stop_reason: str  # "stop" (a stop token), "length" (the budget), "context" (cache full)
+    reused: int = 0  # prompt tokens whose cache was kept from an earlier turn
 
-    def metrics(self) -> dict[str, float | int | None]:
+    @property
+    def drafted(self) -> int:
+        return sum(s.drafted for s in self.steps)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for s in self.steps)
+
+    def metrics(self) -> dict[str, object]:
         decode = [s for s in self.steps if s.kind == "decode"]
-        prefill_s = sum(sum(s.seconds.values()) for s in self.steps if s.kind == "prefill")
+        prefill_s = sum(s.seconds["total"] for s in self.steps if s.kind == "prefill")
+        prefilled = sum(s.rows for s in self.steps if s.kind == "prefill")
         n_out = len(self.tokens)
         decode_span = self.t_end - self.t_first
         drafted = sum(s.drafted for s in decode)
         accepted = sum(s.accepted for s in decode)
+        # Each round's wall time, shared by the tokens it committed: the pace a reader sees.
+        itl = [s.seconds["total"] / s.committed for s in decode for _ in range(s.committed)]
+        phases = {p: sum(s.seconds.get(p, 0.0) for s in decode) for p in (*PHASES, "host")}
         return {
             "prompt_tokens": self.prompt_len,
+            "reused_prompt_tokens": self.reused,
             "generated_tokens": n_out,
             "ttft_s": self.t_first - self.t_start,
-            "prefill_tok_s": self.prompt_len / prefill_s if prefill_s > 0 else None,
+            "prefill_tok_s": prefilled / prefill_s if prefill_s > 0 else None,
             "decode_tok_s": (n_out - 1) / decode_span if n_out > 1 and decode_span > 0 else None,
+            "itl_p50_ms": 1000 * statistics.median(itl) if itl else None,
+            "itl_p95_ms": 1000 * _percentile(itl, 0.95) if itl else None,  # type: ignore[operator]
             "target_forwards": len(self.steps),
             "decode_forwards": len(decode),
             "drafted": drafted,
@@ -72,46 +106,53 @@ class Generation:
             "mean_committed_per_forward": (
                 sum(s.committed for s in decode) / len(decode) if decode else None
             ),
+            "mtp_depths_used": {
+                str(k): n for k, n in sorted(Counter(s.drafted for s in decode).items())
+            },
+            "bytes_moved_per_step": (
+                statistics.mean(s.bytes_moved for s in decode) if decode else None
+            ),
+            "decode_seconds_by_phase": phases,
         }
 
 
-def prefill(
-    target: Target,
-    cache: KVCache,
-    ids: Tensor,
-    chunk: int = DEFAULT_PREFILL_CHUNK,
-    prune: bool = True,
-    steps: list[Step] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Run the prompt through the target in chunks; returns (last hidden [hidden], last logits).
+class DepthPolicy(Protocol):
+    """Chooses each round's draft depth and learns from the rounds it sees."""
 
-    Pruned: intermediate chunks skip the KV-shared layers (they write no cache), the final chunk
-    sends only its last row through them.
-    """
-    model, tables = target.model, target.tables
-    n = ids.shape[0]
-    hidden = None
-    for start in range(0, n, chunk):
-        t0 = time.perf_counter()
-        part = ids[start : start + chunk]
-        last = start + chunk >= n
-        rows = ("last" if last else "none") if prune else "all"
-        positions = torch.arange(cache.length, cache.length + part.shape[0])
-        embeds = tables.embed(part)
-        hidden, new_kv = model(embeds, tables.per_layer_inputs(part), positions, cache, rows)
-        cache.write(new_kv, int(positions[0]))
-        if steps is not None:
-            steps.append(
-                Step(
-                    "prefill",
-                    int(positions[0]),
-                    part.shape[0],
-                    seconds={"forward": time.perf_counter() - t0},
-                )
-            )
-    assert hidden is not None
-    last_hidden = hidden[-1]
-    return last_hidden, model.logits(last_hidden)
+    def choose(self, limit: int) -> int: ...
+
+    def observe(self, step: Step) -> None: ...
+
+
+@dataclass
+class FixedDepth:
+    depth: int
+
+    def choose(self, limit: int) -> int:
+        return min(self.depth, limit)
+
+    def observe(self, step: Step) -> None:
+        pass
+
+
+class _Clock:
+    """Turns a backend meter's running totals into one step's phase times and bytes."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.t = time.perf_counter()
+        self.seconds, self.bytes = backend.meter.snapshot()
+
+    def step(self, step: Step, sampling: float = 0.0) -> Step:
+        now = time.perf_counter()
+        seconds, moved = self.backend.meter.snapshot()
+        phases = {p: seconds.get(p, 0.0) - self.seconds.get(p, 0.0) for p in PHASES[:3]}
+        phases["sampling"] = sampling
+        phases["host"] = max(0.0, now - self.t - sum(phases.values()))
+        phases["total"] = now - self.t
+        step.seconds, step.bytes_moved = phases, moved - self.bytes
+        self.t, self.seconds, self.bytes = now, seconds, moved
+        return step
 
 
 def _choose(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -121,26 +162,26 @@ def _choose(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> int
 
 
 def draft(
-    target: Target,
-    drafter: Drafter,
-    cache: KVCache,
+    backend: Backend,
     token: int,
     hidden: Tensor,
     position: int,
     depth: int,
     params: SamplingParams,
     gen: torch.Generator,
-) -> tuple[list[int], Tensor | None]:
+    vocab: int,
+) -> tuple[list[int], Tensor | None, float]:
     """Propose `depth` tokens after `token` (at `position`, not yet in the cache).
 
-    Returns the drafted ids and, when sampling, their draft distributions [depth, vocab].
+    Returns the drafted ids, when sampling their draft distributions [depth, vocab], and the
+    seconds spent choosing them.
     """
-    vocab = target.cfg.vocab_size
     tokens: list[int] = []
     dists = []
+    choosing = 0.0
     for _ in range(depth):
-        embed = target.tables.embed(torch.tensor([token]))[0]
-        hidden, ids, logits = drafter.model(embed, hidden, position, cache)
+        hidden, ids, logits = backend.draft_step(token, hidden, position)
+        t0 = time.perf_counter()
         if params.greedy:
             token = int(ids[logits.argmax()]) if ids is not None else int(logits.argmax())
         else:
@@ -149,13 +190,12 @@ def draft(
             token = int(sample(q, gen))
             dists.append(q)
         tokens.append(token)
-    return tokens, torch.stack(dists) if dists else None
+        choosing += time.perf_counter() - t0
+    return tokens, (torch.stack(dists) if dists else None), choosing
 
 
 def decode_round(
-    target: Target,
-    drafter: Drafter | None,
-    cache: KVCache,
+    backend: Backend,
     token: int,
     hidden: Tensor,
     position: int,
@@ -163,35 +203,81 @@ def decode_round(
     params: SamplingParams,
     gen: torch.Generator,
 ) -> tuple[list[int], Tensor, Step]:
-    """Draft k tokens after `token`, verify all k+1 rows in one target forward, keep the agreeing
-    prefix plus one token of the target's own, and roll the cache back past the rest.
-
-    Returns (committed tokens, the hidden state to draft from next, the step's trace).
-    """
-    t0 = time.perf_counter()
-    drafts, q = ([], None)
+    """One round: (committed tokens, the hidden state to draft from next, the step)."""
+    drafts, q, choosing = [], None, 0.0
     if k:
-        drafts, q = draft(target, drafter, cache, token, hidden, position, k, params, gen)
-    t1 = time.perf_counter()
-    ids = torch.tensor([token, *drafts])
-    positions = torch.arange(position, position + k + 1)
-    tables = target.tables
-    rows_hidden, new_kv = target.model(
-        tables.embed(ids), tables.per_layer_inputs(ids), positions, cache, "all"
-    )
-    cache.write(new_kv, position)
-    logits = target.model.logits(rows_hidden)
-    t2 = time.perf_counter()
+        vocab = backend.vocab_size
+        drafts, q, choosing = draft(backend, token, hidden, position, k, params, gen, vocab)
+    logits, rows_hidden = backend.verify([token, *drafts], position)
+    t0 = time.perf_counter()
     drafted = torch.tensor(drafts, dtype=torch.long)
     if params.greedy:
         n, nxt = greedy_accept(logits, drafted)
     else:
         p = probabilities(logits, params)
         n, nxt = speculative_accept(p, q if q is not None else p[:0], drafted, gen)
-    cache.truncate(position + n + 1)
-    seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": time.perf_counter() - t2}
-    step = Step("decode", position, k + 1, drafted=k, accepted=n, committed=n + 1, seconds=seconds)
+    choosing += time.perf_counter() - t0
+    backend.truncate(position + n + 1)  # keeps: at most k positions back, inside every ring
+    step = Step("decode", position, k + 1, drafted=k, accepted=n, committed=n + 1)
+    step.seconds["sampling"] = choosing
     return [*drafts[:n], nxt], rows_hidden[n], step
+
+
+def decode(
+    backend: Backend,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    policy: DepthPolicy | None = None,
+    params: SamplingParams | None = None,
+    stop_ids: tuple[int, ...] = (),
+    reused: int = 0,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` committed tokens after `prompt`, whose first `reused`
+    tokens are already in the backend's cache (a chat's earlier turns)."""
+    policy = policy or FixedDepth(0)
+    params = params or SamplingParams()
+    params.validate()
+    gen = make_generator(params.seed)
+    if not 0 <= reused < len(prompt):
+        raise ValueError(f"reused {reused} of a {len(prompt)}-token prompt: one must be new")
+
+    t_start = time.perf_counter()
+    clock = _Clock(backend)
+    hidden, logits = backend.prefill(prompt[reused:], reused)
+    t0 = time.perf_counter()
+    out = [_choose(logits, params, gen)]
+    prefill = clock.step(Step("prefill", reused, len(prompt) - reused), time.perf_counter() - t0)
+    t_first = time.perf_counter()
+    steps = [prefill]
+    if on_tokens:
+        on_tokens(out)
+    position = len(prompt)  # where out[-1] goes: committed, not yet in the cache
+    stop_reason = "length"
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        room = backend.max_context - position  # rows the cache can still take
+        if room < 1:
+            stop_reason = "context"
+            break
+        limit = min(backend.max_draft, max_new_tokens - len(out) - 1, room - 1)
+        k = policy.choose(limit) if backend.has_drafter else 0
+        committed, hidden, step = decode_round(backend, out[-1], hidden, position, k, params, gen)
+        position += len(committed)
+        stops = [i for i, t in enumerate(committed) if t in stop_ids]
+        if stops:  # tokens after a stop were committed to the cache: forget them
+            position -= len(committed) - stops[0] - 1
+            committed = committed[: stops[0] + 1]
+            backend.truncate(position)
+        out.extend(committed)
+        if on_tokens:
+            on_tokens(committed)
+        steps.append(clock.step(step, step.seconds["sampling"]))
+        policy.observe(step)
+    t_end = time.perf_counter()
+    if out[-1] in stop_ids:
+        stop_reason = "stop"
+    return Generation(len(prompt), out, steps, t_start, t_first, t_end, stop_reason, reused)
 
 
 def generate(
@@ -208,38 +294,26 @@ def generate(
     max_context: int | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> Generation:
-    """Generate up to `max_new_tokens` committed tokens after `prompt`."""
+    """The reference engine in one call: a fresh `ReferenceBackend` sized for this generation,
+    depth `mtp_depth` (default 2 with a drafter, else 0)."""
     depth = (2 if drafter is not None else 0) if mtp_depth is None else mtp_depth
     if depth and drafter is None:
         raise ValueError("MTP needs a drafter")
-    params = params or SamplingParams()
-    params.validate()
-    gen = make_generator(params.seed)
     needed = len(prompt) + max_new_tokens + depth + 1
-    context = max_context or min(target.cfg.max_position_embeddings, needed)
-    cache = KVCache(target.cfg, context, max_draft=depth)
-    steps: list[Step] = []
-
-    t_start = time.perf_counter()
-    hidden, logits = prefill(target, cache, torch.tensor(prompt), prefill_chunk, prune, steps)
-    out = [_choose(logits, params, gen)]
-    t_first = time.perf_counter()
-    if on_tokens:
-        on_tokens(out)
-    position = len(prompt)  # where out[-1] goes: committed, not yet in the cache
-
-    while len(out) < max_new_tokens and out[-1] not in stop_ids:
-        k = min(depth, max_new_tokens - len(out) - 1)  # drafts never spend the budget
-        committed, hidden, step = decode_round(
-            target, drafter, cache, out[-1], hidden, position, k, params, gen
-        )
-        position += len(committed)
-        stops = [i for i, t in enumerate(committed) if t in stop_ids]
-        committed = committed[: stops[0] + 1] if stops else committed
-        out.extend(committed)
-        steps.append(step)
-        if on_tokens:
-            on_tokens(committed)
-    t_end = time.perf_counter()
-    stop_reason = "stop" if out[-1] in stop_ids else "length"
-    return Generation(len(prompt), out, steps, t_start, t_first, t_end, stop_reason)
+    backend = ReferenceBackend(
+        target,
+        drafter,
+        max_context=max_context or needed,
+        max_draft=depth,
+        prefill_chunk=prefill_chunk,
+        prune=prune,
+    )
+    return decode(
+        backend,
+        prompt,
+        max_new_tokens,
+        policy=FixedDepth(depth),
+        params=params,
+        stop_ids=stop_ids,
+        on_tokens=on_tokens,
+    )

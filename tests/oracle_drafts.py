@@ -1,21 +1,41 @@
-"""A static driver whose drafts are known: the reference's greedy continuation, corrupted at every
-third position, so decoding rounds accept 0, 1 or 2 drafts and the implicit rollback of the
-static cache runs in every pattern."""
+"""Test helpers over a bundle's `StaticBackend`: greedy decoding with the one engine, and a
+backend whose drafts are known: the reference's greedy continuation, corrupted at every third
+position, so decoding rounds accept 0, 1 or 2 drafts and the implicit rollback of the static
+cache runs in every pattern."""
 
 from __future__ import annotations
 
-from edgemtp.export.driver import StaticDriver
+import torch
+
+from edgemtp.runtime.backends import Backend, StaticBackend
+from edgemtp.runtime.generate import FixedDepth, Generation, decode
 
 
-class OracleDrafts(StaticDriver):
+def greedy(backend: Backend, prompt: list[int], n: int, depth: int = 0) -> Generation:
+    """Greedy decoding from an empty cache at a pinned depth; `.calls`: the methods it called."""
+    backend.truncate(0)
+    calls = getattr(backend, "calls", {})
+    calls.clear()
+    result = decode(backend, prompt, n, policy=FixedDepth(depth))
+    result.calls = dict(calls)  # type: ignore[attr-defined]
+    return result
+
+
+class OracleDrafts(StaticBackend):
     def __init__(self, *args, ar_tokens: list[int], prompt_len: int, **kw):
         super().__init__(*args, **kw)
         self.ar, self.prompt_len = ar_tokens, prompt_len
+        self.has_drafter = True
+        self.corrupt = True  # False: always the reference's continuation
+        self.drafted_in_round = 0
 
-    def draft(self, token: int, hidden, position: int, depth: int) -> list[int]:
-        j = position - self.prompt_len
-        out = []
-        for i in range(depth):
-            t = self.ar[j + 1 + i] if j + 1 + i < len(self.ar) else 0
-            out.append((t + 1) % 512 if (j + i) % 3 == 0 else t)
-        return out
+    def verify(self, ids, position):
+        self.drafted_in_round = 0
+        return super().verify(ids, position)
+
+    def draft_step(self, token, hidden, position):
+        j, i = position - self.prompt_len, self.drafted_in_round
+        self.drafted_in_round += 1
+        t = self.ar[j + 1 + i] if j + 1 + i < len(self.ar) else 0
+        t = (t + 1) % 512 if self.corrupt and (j + i) % 3 == 0 else t
+        return hidden, torch.tensor([t]), torch.zeros(1)

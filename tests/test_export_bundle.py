@@ -228,8 +228,10 @@ def test_bundle_manifest_describes_what_was_written(onnx_bundle, tmp_path):
 
 
 def test_bundle_generates_the_reference_tokens(quantized_pair, tmp_path_factory):
-    from edgemtp.export.driver import StaticDriver
+    from oracle_drafts import greedy
+
     from edgemtp.model.checkpoint import load_drafter
+    from edgemtp.runtime.backends import StaticBackend
     from edgemtp.runtime.generate import generate
 
     out = tmp_path_factory.mktemp("onnx2") / "bundle"
@@ -243,12 +245,13 @@ def test_bundle_generates_the_reference_tokens(quantized_pair, tmp_path_factory)
     ) == 0  # fmt: skip
     manifest = read_manifest(out)
     target = load_target(target_path)
-    driver = StaticDriver(_runner(out, manifest), open_tables(out, target.cfg, manifest["tables"]))
+    tables = open_tables(out, target.cfg, manifest["tables"])
+    driver = StaticBackend(_runner(out, manifest), tables, target.cfg)
     drafter = load_drafter(drafter_path, target.cfg)
     prompt = torch.randint(3, 500, (21,), generator=torch.Generator().manual_seed(0)).tolist()
     for depth in (0, 2):
         ref = generate(target, prompt, 40, drafter=drafter, mtp_depth=depth, prefill_chunk=8)
-        assert driver.generate(prompt, 40, depth).tokens == ref.tokens
+        assert greedy(driver, prompt, 40, depth).tokens == ref.tokens
 
 
 def test_same_inputs_same_bytes(quantized_pair, onnx_bundle, tmp_path):
@@ -318,8 +321,10 @@ def _runner(bundle: Path, manifest: dict):
 
 @pytest.mark.parametrize("backend", ["onnx"])
 def test_scaled_e2b_bundle_generates_the_reference_tokens(e2b_pair, tmp_path, backend):
-    from edgemtp.export.driver import StaticDriver
+    from oracle_drafts import greedy
+
     from edgemtp.model.checkpoint import load_drafter
+    from edgemtp.runtime.backends import StaticBackend
     from edgemtp.runtime.generate import generate
 
     target_path, drafter_path = e2b_pair
@@ -334,10 +339,11 @@ def test_scaled_e2b_bundle_generates_the_reference_tokens(e2b_pair, tmp_path, ba
     manifest = read_manifest(out)
     target = load_target(target_path)
     drafter = load_drafter(drafter_path, target.cfg)
-    driver = StaticDriver(_runner(out, manifest), open_tables(out, target.cfg, manifest["tables"]))
+    tables = open_tables(out, target.cfg, manifest["tables"])
+    driver = StaticBackend(_runner(out, manifest), tables, target.cfg)
     prompt = torch.randint(3, 50000, (37,), generator=torch.Generator().manual_seed(0)).tolist()
     for depth in (0, 2):  # 37 prompt tokens: two intermediate chunks and a padded final one
         ref = generate(target, prompt, 32, drafter=drafter, mtp_depth=depth, prefill_chunk=16)
-        got = driver.generate(prompt, 32, depth)
+        got = greedy(driver, prompt, 32, depth)
         assert got.tokens == ref.tokens
         assert got.drafted == ref.metrics()["drafted"]

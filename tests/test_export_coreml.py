@@ -24,15 +24,17 @@ import platform
 import numpy as np
 import pytest
 import torch
+from oracle_drafts import greedy
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export import coreml
-from edgemtp.export.driver import EagerRunner, StaticDriver
+from edgemtp.export.driver import EagerRunner
 from edgemtp.export.static import StaticBundle, StaticShapes
 from edgemtp.export.weights import attach_int4, int4_of
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+from edgemtp.runtime.backends import StaticBackend
 from edgemtp.runtime.generate import generate
 
 SHAPES = StaticShapes(max_context=96, max_draft=2, chunk=8)
@@ -300,6 +302,7 @@ class TeacherForced:
 
     def __init__(self, reference, tested, dtype):
         self.reference, self.tested, self.shapes = reference, tested, tested.shapes
+        self.methods = tested.methods
         self.tol_logits, self.tol_hidden = TOL[dtype]
         self.worst = {"logits": 0.0, "hidden": 0.0}
         self.rows = self.agree = 0
@@ -344,14 +347,16 @@ def _check_numerics(pair, static, package, depth, dtype):
     with coreml.TorchCoreMLRunner(static, package, dtype) as runner:
         assert runner.loaded > 0 or dtype == torch.float32  # fp16 weights load in fp16 only
         check = TeacherForced(EagerRunner(reference), runner, dtype)
-        got = StaticDriver(check, target.tables).generate(_prompt(), N_NEW, depth)
+        got = greedy(StaticBackend(check, target.tables, target.cfg), _prompt(), N_NEW, depth)
         assert got.tokens == ref.tokens  # the reference drove: same inputs all along
         assert check.worst["logits"] <= check.tol_logits, check.worst
         assert check.worst["hidden"] <= check.tol_hidden, check.worst
         assert check.agree >= 0.8 * check.rows, (check.agree, check.rows)
         if dtype == torch.float32:  # free-running: the forms alone decode the same tokens
             runner.reset()
-            alone = StaticDriver(runner, target.tables).generate(_prompt(), N_NEW, depth)
+            alone = greedy(
+                StaticBackend(runner, target.tables, target.cfg), _prompt(), N_NEW, depth
+            )
             assert alone.tokens == ref.tokens
             assert check.agree == check.rows
     return check

@@ -22,10 +22,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from oracle_drafts import OracleDrafts
+from oracle_drafts import OracleDrafts, greedy
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.driver import ExecuTorchRunner, StaticDriver
+from edgemtp.export.driver import ExecuTorchRunner
 from edgemtp.export.executorch import (
     Int4Linear,
     _block_form,
@@ -45,10 +45,12 @@ from edgemtp.export.weights import attach_int4, int4_of
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
-from edgemtp.runtime.generate import generate, prefill
+from edgemtp.runtime.backends import StaticBackend, prefill
+from edgemtp.runtime.generate import generate
 from edgemtp.runtime.kv_cache import KVCache
+from edgemtp.runtime.session import Session
 
-SHAPES = StaticShapes(max_context=64, max_draft=2, chunk=8)
+SHAPES = StaticShapes(max_context=64, max_draft=4, chunk=8)
 N_NEW = 36  # tiny's window is 16: decoding runs past it
 # q4_0 always (one tiny bundle: ~6 min of ExecuTorch lowering on a 2-core host); the others slow
 SCHEMES = ("q4_0", "none", "w4a16")
@@ -236,12 +238,18 @@ def test_program_tokens(checkpoints, lowered, scheme):
     pte, _ = lowered(scheme)
     target, drafter = _load(checkpoints, scheme)
     runner = ExecuTorchRunner(pte, SHAPES)
-    driver = StaticDriver(runner, target.tables)
-    ar = driver.generate(_prompt(), N_NEW, 0)
-    mtp = driver.generate(_prompt(), N_NEW, 2)
-    assert mtp.tokens == ar.tokens and mtp.calls["draft_step"] > 0
-    oracle = OracleDrafts(runner, target.tables, ar_tokens=ar.tokens, prompt_len=len(_prompt()))
-    rolled = oracle.generate(_prompt(), N_NEW, 2)
+    driver = StaticBackend(runner, target.tables, target.cfg)
+    ar = greedy(driver, _prompt(), N_NEW, 0)
+    for depth in range(1, SHAPES.max_draft + 1):  # 1..3 left-padded into verify_4
+        mtp = greedy(driver, _prompt(), N_NEW, depth)
+        assert mtp.tokens == ar.tokens and mtp.calls["draft_step"] > 0, depth
+    mtp = greedy(driver, _prompt(), N_NEW, 2)
+    auto = Session(driver).generate(_prompt(), N_NEW, stop_ids=())  # adaptive depth
+    assert auto.tokens == ar.tokens
+    oracle = OracleDrafts(
+        runner, target.tables, target.cfg, ar_tokens=ar.tokens, prompt_len=len(_prompt())
+    )
+    rolled = greedy(oracle, _prompt(), N_NEW, 2)
     assert rolled.tokens == ar.tokens and 0 < rolled.accepted < rolled.drafted
     if scheme == "none":  # same numerics as the reference engine: same tokens
         for depth, got in ((0, ar), (2, mtp)):
@@ -286,7 +294,7 @@ def test_drafter_reads_the_targets_cache_in_place(checkpoints, lowered):
     target, drafter = _load(checkpoints, "q4_0", program_numerics=True)
     runner = ExecuTorchRunner(pte, SHAPES)
     prompt = _prompt()
-    hidden, logits = StaticDriver(runner, target.tables).prefill(prompt)
+    hidden, logits = StaticBackend(runner, target.tables, target.cfg).prefill(prompt, 0)
     embed = target.tables.embed(logits.argmax()[None])[0]
     got, _, _ = runner.call("draft_step", embed, hidden, torch.tensor([len(prompt)]))
     cache = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft)
@@ -310,8 +318,9 @@ def test_program_logits_within_tolerance_of_eager_references(checkpoints, lowere
             "8da4w_vs_fp32": references["fp32"],
             "8da4w_vs_8da4w": _load(checkpoints, scheme, program_numerics=True)[0],
         }
-    driver = StaticDriver(ExecuTorchRunner(pte, SHAPES), references[next(iter(references))].tables)
-    _, got = driver.prefill(prompt.tolist())
+    first = references[next(iter(references))]
+    driver = StaticBackend(ExecuTorchRunner(pte, SHAPES), first.tables, first.cfg)
+    _, got = driver.prefill(prompt.tolist(), 0)
     for name, model in references.items():
         cache = KVCache(model.cfg, SHAPES.max_context, SHAPES.max_draft)
         _, ref = prefill(model, cache, prompt, chunk=8)
@@ -325,7 +334,7 @@ def test_program_logits_within_tolerance_of_eager_references(checkpoints, lowere
 def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     _, result = lowered(scheme)
     details = result.details
-    methods = {"prefill_intermediate", "prefill_final", "verify_0", "verify_2"}
+    methods = {"prefill_intermediate", "prefill_final", "verify_0", "verify_4"}
     assert set(details["delegation"]) == set(result.method_io) == methods | {"draft_step"}
     for method in details["delegation"].values():
         assert method["delegates"] >= 1
@@ -397,10 +406,11 @@ def test_scaled_e2b_bundle_from_the_cli(tmp_path):
     reference, _ = _load(tmp_path, "q4_0", program_numerics=True)
     shapes = StaticShapes(**manifest["shapes"])
     tables = open_tables(out, reference.cfg, manifest["tables"])
-    driver = StaticDriver(ExecuTorchRunner(out / manifest["program"], shapes), tables)
+    runner = ExecuTorchRunner(out / manifest["program"], shapes)
+    driver = StaticBackend(runner, tables, reference.cfg)
     prompt = torch.randint(3, 50000, (37,), generator=torch.Generator().manual_seed(0)).tolist()
-    ar = driver.generate(prompt, 32, 0)
-    mtp = driver.generate(prompt, 32, 2)
+    ar = greedy(driver, prompt, 32, 0)
+    mtp = greedy(driver, prompt, 32, 2)
     assert mtp.tokens == ar.tokens and mtp.drafted > 0
     # This random model is ill-conditioned: int8 activations alone move its logits by 45% of
     # their range, so float-rounding differences that flip a few int8 codes move them by ~20%
@@ -411,7 +421,8 @@ def test_scaled_e2b_bundle_from_the_cli(tmp_path):
     agree, _ = _teacher_forced(reference, prompt, ar.tokens)
     fp32_agree, _ = _teacher_forced(fp32_reference, prompt, ar.tokens)
     assert agree >= 16 and fp32_agree <= agree // 2
-    _, got = driver.prefill(prompt)
+    driver.truncate(0)
+    _, got = driver.prefill(prompt, 0)
     errors = []
     for model in (reference, fp32_reference):
         cache = KVCache(model.cfg, shapes.max_context, shapes.max_draft)

@@ -14,17 +14,18 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from oracle_drafts import OracleDrafts
+from oracle_drafts import OracleDrafts, greedy
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.driver import EagerRunner, StaticDriver
+from edgemtp.export.driver import EagerRunner
 from edgemtp.export.onnx import FOLDER, WEIGHTS, OnnxRunner, lower_onnx, qdq_weight_tensors
 from edgemtp.export.static import StaticBundle, StaticShapes
 from edgemtp.export.weights import attach_int4, int4_of
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
-from edgemtp.runtime.generate import generate, prefill
+from edgemtp.runtime.backends import StaticBackend, prefill
+from edgemtp.runtime.generate import generate
 from edgemtp.runtime.kv_cache import KVCache
 
 SHAPES = StaticShapes(max_context=96, max_draft=2, chunk=8)
@@ -83,11 +84,11 @@ class Exported:
         self.runner = OnnxRunner(self.folder, SHAPES)
         self.reference = _load(checkpoints, scheme, int4=False)
 
-    def eager(self) -> StaticDriver:
+    def eager(self) -> StaticBackend:
         """The eager static wrappers on the same (dequantized) weights."""
         target, drafter = _load(self.checkpoints, self.scheme, int4=False)
         bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
-        return StaticDriver(EagerRunner(bundle), target.tables)
+        return StaticBackend(EagerRunner(bundle), target.tables, target.cfg)
 
 
 @pytest.fixture(scope="module", params=list(SCHEMES))
@@ -103,7 +104,8 @@ def _prompt(n: int = 21, seed: int = 0) -> list[int]:
 def test_tokens_match_reference(exported, depth):
     target, drafter = exported.reference
     ref = generate(target, _prompt(), N_NEW, drafter=drafter, mtp_depth=depth, prefill_chunk=8)
-    got = StaticDriver(exported.runner, exported.target.tables).generate(_prompt(), N_NEW, depth)
+    onnx = StaticBackend(exported.runner, exported.target.tables, exported.target.cfg)
+    got = greedy(onnx, _prompt(), N_NEW, depth)
     assert got.tokens == ref.tokens
     assert got.calls["prefill_intermediate"] == 2 and got.calls["prefill_final"] == 1
     if depth:
@@ -114,11 +116,11 @@ def test_tokens_match_reference(exported, depth):
 def test_logits_match_eager(exported):
     """A padded prefill against the reference engine; then a verify of 3 rows and a draft
     step on top of it, every output against the eager static wrappers."""
-    onnx_driver = StaticDriver(exported.runner, exported.target.tables)
+    onnx_driver = StaticBackend(exported.runner, exported.target.tables, exported.target.cfg)
     eager_driver = exported.eager()
     prompt = _prompt(13, seed=1)
-    h_onnx, l_onnx = onnx_driver.prefill(prompt)
-    h_eager, l_eager = eager_driver.prefill(prompt)
+    h_onnx, l_onnx = onnx_driver.prefill(prompt, 0)
+    h_eager, l_eager = eager_driver.prefill(prompt, 0)
     target = exported.reference[0]
     cache = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft)
     h_ref, l_ref = prefill(target, cache, torch.tensor(prompt), chunk=SHAPES.chunk)
@@ -147,9 +149,13 @@ def test_logits_match_eager(exported):
 def test_partial_acceptance_rollback_past_window(exported):
     ar = generate(exported.reference[0], _prompt(), N_NEW).tokens
     driver = OracleDrafts(
-        exported.runner, exported.target.tables, ar_tokens=ar, prompt_len=len(_prompt())
+        exported.runner,
+        exported.target.tables,
+        exported.target.cfg,
+        ar_tokens=ar,
+        prompt_len=len(_prompt()),
     )
-    got = driver.generate(_prompt(), N_NEW, depth=2)
+    got = greedy(driver, _prompt(), N_NEW, depth=2)
     assert got.tokens == ar
     assert 0 < got.accepted < got.drafted
 
@@ -167,8 +173,8 @@ def test_drafter_reads_the_target_cache_in_place(exported):
         assert value is runner.cache_value("prefill_final", name)
         assert value.data_ptr() == runner.arrays[name].ctypes.data
     # and it sees what the target wrote: a prefill fills the arrays the drafter reads
-    driver = StaticDriver(runner, exported.target.tables)
-    hidden, _ = driver.prefill(_prompt())
+    driver = StaticBackend(runner, exported.target.tables, exported.target.cfg)
+    hidden, _ = driver.prefill(_prompt(), 0)
     before = {n: runner.arrays[n].copy() for n in draft_inputs}
     out = runner.call(
         "draft_step",
@@ -334,17 +340,17 @@ QDQ_ATOL = 0.1
 def test_htp_bundle_on_the_cpu_ep_is_close_to_the_reference(htp, checkpoints):
     target, _, _, folder = htp
     runner = OnnxRunner(folder, SHAPES, provider="cpu")
-    got = StaticDriver(runner, target.tables).prefill(_prompt())
+    got = StaticBackend(runner, target.tables, target.cfg).prefill(_prompt(), 0)
     ref_t, ref_d = _load(checkpoints, "q4_0", int4=False)
-    eager = StaticDriver(
-        EagerRunner(StaticBundle.build(ref_t.model, ref_d.model, SHAPES)), ref_t.tables
+    eager = StaticBackend(
+        EagerRunner(StaticBundle.build(ref_t.model, ref_d.model, SHAPES)), ref_t.tables, ref_t.cfg
     )
-    want = eager.prefill(_prompt())
+    want = eager.prefill(_prompt(), 0)
     torch.testing.assert_close(got[1], want[1], atol=QDQ_ATOL, rtol=0)
     # greedy choice: the reference's top token or one within the tolerance of it (a near tie)
     assert want[1][int(got[1].argmax())] >= want[1].max() - 2 * QDQ_ATOL
     # every method (verify_k, draft_step) runs in its QDQ form
-    gen = StaticDriver(runner, target.tables).generate(_prompt(), 12, depth=2)
+    gen = greedy(StaticBackend(runner, target.tables, target.cfg), _prompt(), 12, depth=2)
     assert len(gen.tokens) == 12 and gen.calls["draft_step"] > 0
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle_drafts import OracleDrafts
+from oracle_drafts import OracleDrafts, greedy
 
-from edgemtp.export.driver import EagerRunner, StaticDriver
+from edgemtp.export.driver import EagerRunner
 from edgemtp.export.lower import export_methods, ops_per_layer
 from edgemtp.export.static import StaticBundle, StaticShapes
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.synth import write_preset
-from edgemtp.runtime.generate import generate, prefill
+from edgemtp.runtime.backends import StaticBackend, prefill
+from edgemtp.runtime.generate import generate
 from edgemtp.runtime.kv_cache import KVCache
 
 SHAPES = StaticShapes(max_context=96, max_draft=2, chunk=8)
@@ -41,7 +42,7 @@ def static(paths):
     """A fresh bundle (its models are swapped to export forms, so never shared)."""
     target, drafter = _load(paths)
     bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
-    return bundle, StaticDriver(EagerRunner(bundle), target.tables)
+    return bundle, StaticBackend(EagerRunner(bundle), target.tables, target.cfg)
 
 
 def _prompt(n: int = 21) -> list[int]:
@@ -52,7 +53,7 @@ def _prompt(n: int = 21) -> list[int]:
 def test_static_eager_matches_reference_tokens(reference, static, depth):
     target, drafter = reference
     ref = generate(target, _prompt(), N_NEW, drafter=drafter, mtp_depth=depth, prefill_chunk=8)
-    got = static[1].generate(_prompt(), N_NEW, depth)
+    got = greedy(static[1], _prompt(), N_NEW, depth)
     assert got.tokens == ref.tokens
     assert got.calls["prefill_intermediate"] == 2 and got.calls["prefill_final"] == 1
     if depth:
@@ -64,7 +65,7 @@ def test_prefill_chunks_and_padding(reference, static, n):
     target, _ = reference
     cache = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft)
     ref_hidden, ref_logits = prefill(target, cache, torch.tensor(_prompt(n)), chunk=8)
-    hidden, logits = static[1].prefill(_prompt(n))
+    hidden, logits = static[1].prefill(_prompt(n), 0)
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
@@ -74,7 +75,7 @@ def test_draft_step_matches_reference_drafter(reference, static):
     prompt = _prompt()
     cache = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft)
     hidden, _ = prefill(target, cache, torch.tensor(prompt), chunk=8)
-    static_hidden, _ = static[1].prefill(prompt)
+    static_hidden, _ = static[1].prefill(prompt, 0)
     embed = target.tables.embed(torch.tensor([7]))[0]
     position = len(prompt)
     ref = drafter.model(embed, hidden, position, cache)
@@ -88,8 +89,10 @@ def test_partial_acceptance_rollback_past_window(reference, static):
     target, _ = reference
     ar = generate(target, _prompt(), N_NEW).tokens
     bundle, _ = static
-    driver = OracleDrafts(EagerRunner(bundle), target.tables, ar_tokens=ar, prompt_len=21)
-    got = driver.generate(_prompt(), N_NEW, depth=2)
+    driver = OracleDrafts(
+        EagerRunner(bundle), target.tables, target.cfg, ar_tokens=ar, prompt_len=21
+    )
+    got = greedy(driver, _prompt(), N_NEW, depth=2)
     assert got.tokens == ar
     assert 0 < got.accepted < got.drafted
 

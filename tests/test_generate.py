@@ -8,7 +8,8 @@ from hf_oracle import build_assistant, build_target, target_config
 from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
 from edgemtp.model.checkpoint import load_drafter, load_target
-from edgemtp.runtime.generate import generate, prefill
+from edgemtp.runtime.backends import prefill
+from edgemtp.runtime.generate import generate
 from edgemtp.runtime.kv_cache import KVCache
 
 WINDOW = 8

@@ -5,6 +5,7 @@ A source this host lacks reports "unavailable: <why>", never a made-up number.
 
 from edgemtp.runtime.probes.energy import (
     AdbReader,
+    EnergyMeter,
     EnergyReader,
     EnergySample,
     IoregReader,
@@ -23,6 +24,7 @@ from edgemtp.runtime.probes.memory import current_rss_mb, peak_rss_mb
 
 __all__ = [
     "AdbReader",
+    "EnergyMeter",
     "EnergyReader",
     "EnergySample",
     "IoregReader",

@@ -787,3 +787,34 @@ def energy_report(
         "battery_pct_per_1k_tokens": pct_per_1k,
         "reason": "; ".join(reasons) or None,
     }
+
+
+class EnergyMeter:
+    """Samples an energy source before and after a run: `begin()`, run, `report(tokens)`.
+
+    The report is `energy_report`'s dict, or, when the source is missing or fails to read,
+    every number null and `reason` "unavailable: <why>".
+    """
+
+    def __init__(
+        self, reader: EnergyReader | Unavailable | None = None, battery_wh: float | None = None
+    ):
+        self.reader = reader if reader is not None else detect()
+        self.battery_wh = battery_wh
+        self.start: EnergySample | None = None
+        self.reason: str | None = None
+
+    def begin(self) -> None:
+        try:
+            self.start = self.reader.sample()
+        except ProbeUnavailable as err:
+            self.start, self.reason = None, err.reason
+
+    def report(self, tokens: int) -> dict[str, Any]:
+        if self.start is None:
+            return _unavailable_report(self.reason or "begin() was not called")
+        try:
+            end = self.reader.sample()
+        except ProbeUnavailable as err:
+            return _unavailable_report(err.reason)
+        return energy_report(self.start, end, tokens, self.battery_wh)

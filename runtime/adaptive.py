@@ -1,0 +1,127 @@
+"""Adaptive MTP: each round, the draft depth that maximises expected committed tokens per second.
+
+For depth k the round commits E_k = 1 + sum_{j<=k} prod_{i<=j} a_i tokens on average, where a_i
+is the running probability that draft i is accepted given drafts 1..i-1 were; it costs
+T_k = k * (one drafter step) + (verifying k+1 rows, with the host's share of the round). Both
+come from the rounds this session has run: acceptance as decayed counts with a prior, costs as
+medians of recent rounds per verify shape (a static bundle verifies every k >= 1 with the same
+method; the reference engine's cost grows with the rows). The policy starts by measuring depth
+`max` and 0 twice each, then picks argmax E_k / T_k every round.
+
+Re-evaluation is built in: every round decays the acceptance counts toward the prior, so a
+policy that settled on AR because the drafter disagreed probes a draft again after a while (the
+probe costs one slower round in a few hundred; how soon depends on how cheap drafting is here).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+from edgemtp.runtime.generate import Step
+
+WARMUP = 4  # rounds alternating the deepest draft and AR before the model decides
+HISTORY = 7  # recent samples whose median is a cost
+
+
+class AdaptiveDepth:
+    def __init__(
+        self,
+        max_depth: int,
+        verify_shape: Callable[[int], str],
+        *,
+        decay: float = 0.98,
+        prior_accept: float = 0.5,
+        prior_trials: float = 1.0,
+    ):
+        self.max_depth = max_depth
+        self.verify_shape = verify_shape
+        self.decay = decay
+        self.prior = (prior_accept, prior_trials)
+        self.trials = [0.0] * (max_depth + 1)  # index i >= 1: draft i was checked
+        self.accepts = [0.0] * (max_depth + 1)
+        self.draft_s: deque[float] = deque(maxlen=HISTORY)
+        self.verify_s: dict[str, deque[float]] = {}
+        self.rounds = 0
+        self.last_estimate: dict[int, float] = {}  # depth -> expected tokens/s at the last choice
+
+    # --- the model -----------------------------------------------------------------------------
+    def acceptance(self, i: int) -> float:
+        """Probability that draft i (1-based) is accepted, given the drafts before it were."""
+        a, t = self.prior
+        return (self.accepts[i] + a) / (self.trials[i] + t)
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for i in range(1, k + 1):
+            reach *= self.acceptance(i)
+            total += reach
+        return total
+
+    def _cost(self, samples: deque[float]) -> float:
+        # The first call of a method can carry one-off set-up; drop it once there are others.
+        values = list(samples)[1:] if len(samples) > 2 else list(samples)
+        return statistics.median(values)
+
+    def verify_cost(self, k: int) -> float | None:
+        """Measured seconds of a round's verify part at depth k, or an estimate from the
+        nearest measured shape (verify costs are dominated by weight reads: nearly flat)."""
+        shape = self.verify_shape(k)
+        if self.verify_s.get(shape):
+            return self._cost(self.verify_s[shape])
+        measured = [
+            (abs(j - k), self._cost(self.verify_s[self.verify_shape(j)]))
+            for j in range(self.max_depth + 1)
+            if self.verify_s.get(self.verify_shape(j))
+        ]
+        return min(measured)[1] if measured else None
+
+    def rate(self, k: int) -> float | None:
+        """Expected committed tokens per second at depth k (None until its costs are known)."""
+        verify = self.verify_cost(k)
+        if verify is None or (k and not self.draft_s):
+            return None
+        seconds = verify + (k * self._cost(self.draft_s) if k else 0.0)
+        return self.expected_tokens(k) / seconds if seconds > 0 else None
+
+    # --- the policy ----------------------------------------------------------------------------
+    def choose(self, limit: int) -> int:
+        limit = min(limit, self.max_depth)
+        if limit <= 0:
+            return 0
+        if self.rounds < WARMUP:
+            return limit if self.rounds % 2 == 0 else 0
+        rates = {k: self.rate(k) for k in range(limit + 1)}
+        self.last_estimate = {k: r for k, r in rates.items() if r is not None}
+        if not self.last_estimate:
+            return limit
+        return max(self.last_estimate, key=lambda k: (self.last_estimate[k], -k))
+
+    def observe(self, step: Step) -> None:
+        self.rounds += 1
+        self.trials = [t * self.decay for t in self.trials]
+        self.accepts = [a * self.decay for a in self.accepts]
+        k, n = step.drafted, step.accepted
+        for i in range(1, min(n + 1, k) + 1):
+            self.trials[i] += 1
+        for i in range(1, n + 1):
+            self.accepts[i] += 1
+        drafting = step.seconds.get("drafter", 0.0)
+        if k:
+            self.draft_s.append(drafting / k)
+        shape = self.verify_shape(k)
+        self.verify_s.setdefault(shape, deque(maxlen=HISTORY)).append(
+            step.seconds["total"] - drafting
+        )
+
+    def summary(self) -> dict[str, object]:
+        """What the policy believes now: acceptance by draft position, costs, expected rates."""
+        return {
+            "acceptance_by_position": [
+                round(self.acceptance(i), 4) for i in range(1, self.max_depth + 1)
+            ],
+            "draft_step_ms": 1000 * self._cost(self.draft_s) if self.draft_s else None,
+            "verify_ms": {s: 1000 * self._cost(v) for s, v in sorted(self.verify_s.items())},
+            "expected_tok_s": {str(k): round(r, 2) for k, r in self.last_estimate.items()},
+        }

@@ -1,0 +1,329 @@
+"""What the decoding engine runs on: one interface over the reference model and every bundle.
+
+A backend owns the target's KV cache and answers four calls, all at explicit positions:
+
+- `prefill(ids, start)`: write the cache for `ids` at `start`.. and return the last row's
+  (hidden, logits);
+- `verify(ids, position)`: every row through every layer, cache written; (logits, hidden) per row;
+- `draft_step(token, hidden, position)`: one drafter step reading the target's cache in place;
+- `truncate(length)`: forget positions >= length (rejected drafts, or a chat rolled back).
+
+`ReferenceBackend` runs the PyTorch model over `KVCache`; `StaticBackend` runs a bundle's static
+methods through a `Runner` (ExecuTorch, ONNX Runtime, Core ML or the eager wrappers), gathering
+embedding rows from the bundle's memory-mapped tables on the host. Both meter the time spent per
+phase and the bytes the host moves (inputs, outputs and cache rows it copies), so the engine's
+trace can show them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from edgemtp.errors import EdgeMTPError
+from edgemtp.model.checkpoint import Drafter, Target
+from edgemtp.model.config import TextConfig
+from edgemtp.model.gemma4 import TokenTables
+from edgemtp.runtime.kv_cache import KVCache, ring_size
+
+if TYPE_CHECKING:
+    from edgemtp.export.static import StaticShapes
+
+PREFILL_CHUNK = 512  # reference prefill rows per forward
+DEFAULT_CONTEXT = 4096  # reference cache size when none is given (export's default too)
+
+
+@dataclass
+class Meter:
+    """Seconds per phase (embed, target, drafter) and bytes moved by the host, accumulated."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_moved: int = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def snapshot(self) -> tuple[dict[str, float], int]:
+        return dict(self.seconds), self.bytes_moved
+
+
+def tensor_bytes(*tensors: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Backend(Protocol):
+    """The calls the decoding engine makes; see the module docstring."""
+
+    name: str  # "reference", "executorch", "onnx", "coreml", "eager"
+    max_context: int
+    max_draft: int  # deepest verify round the backend can run
+    vocab_size: int
+    has_drafter: bool
+    meter: Meter
+
+    def prefill(self, ids: list[int], start: int) -> tuple[Tensor, Tensor]: ...
+
+    def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]: ...
+
+    def draft_step(
+        self, token: int, hidden: Tensor, position: int
+    ) -> tuple[Tensor, Tensor | None, Tensor]: ...
+
+    def truncate(self, length: int) -> bool: ...
+
+    def verify_shape(self, depth: int) -> str: ...
+
+
+class RingTracker:
+    """Knows which positions a ring cache still holds after a rollback.
+
+    A sliding ring of `slots` keeps position p until p + slots is written. A query at `length`
+    needs the window (and the drafter one more) before it, so truncating to `length` keeps the
+    cache usable only while nothing at or past oldest-needed + slots has been written; otherwise
+    the caller must prefill again.
+    """
+
+    def __init__(self, slots: dict[str, int], window: int):
+        self.slots = slots
+        self.window = window
+        self.written_end = 0  # one past the highest position written since the last reset
+
+    def wrote(self, end: int) -> None:
+        self.written_end = max(self.written_end, end)
+
+    def keeps(self, length: int) -> bool:
+        oldest_needed = max(0, length - self.window - 1)
+        return all(oldest_needed + n >= self.written_end for n in self.slots.values())
+
+    def truncated(self, length: int) -> bool:
+        """Record a truncation to `length`; True when the cache still holds [0, length)."""
+        keeps = self.keeps(length)
+        self.written_end = length if keeps else 0
+        return keeps
+
+
+def forward_rows(
+    target: Target, cache: KVCache, ids: Tensor, rows: str, meter: Meter | None = None
+) -> Tensor | None:
+    """`ids` at the cache's length through the target (`rows`: which rows go through the
+    KV-shared layers: "all", "last" or "none"), their K/V written; returns the hidden rows."""
+    meter = meter or Meter()
+    model, tables = target.model, target.tables
+    with meter.phase("embed"):
+        embeds, ple = tables.embed(ids), tables.per_layer_inputs(ids)
+    with meter.phase("target"):
+        positions = torch.arange(cache.length, cache.length + ids.shape[0])
+        hidden, new_kv = model(embeds, ple, positions, cache, rows)
+        cache.write(new_kv, int(positions[0]))
+    meter.bytes_moved += sum(tensor_bytes(k, v) for k, v in new_kv.values())
+    return hidden
+
+
+def prefill(
+    target: Target,
+    cache: KVCache,
+    ids: Tensor,
+    chunk: int = PREFILL_CHUNK,
+    prune: bool = True,
+    meter: Meter | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Run the prompt through the target in chunks after what `cache` holds; returns (last
+    hidden [hidden], last logits).
+
+    Pruned: intermediate chunks skip the KV-shared layers (they write no cache), the final chunk
+    sends only its last row through them.
+    """
+    meter = meter or Meter()
+    hidden = None
+    n = ids.shape[0]
+    for i in range(0, n, chunk):
+        rows = ("last" if i + chunk >= n else "none") if prune else "all"
+        hidden = forward_rows(target, cache, ids[i : i + chunk], rows, meter)
+    assert hidden is not None
+    with meter.phase("target"):
+        return hidden[-1], target.model.logits(hidden[-1])
+
+
+class ReferenceBackend:
+    """The PyTorch model over `KVCache`: pruned chunked prefill, verify, draft."""
+
+    name = "reference"
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        *,
+        max_context: int | None = None,
+        max_draft: int = 4,
+        prefill_chunk: int = PREFILL_CHUNK,
+        prune: bool = True,
+    ):
+        cfg = target.cfg
+        self.target, self.drafter = target, drafter
+        self.max_context = min(max_context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+        self.max_draft = max_draft if drafter is not None else 0
+        self.has_drafter = drafter is not None
+        self.vocab_size = cfg.vocab_size
+        self.chunk, self.prune = prefill_chunk, prune
+        self.cache = KVCache(cfg, self.max_context, max_draft=self.max_draft)
+        self.rings = RingTracker(self.cache.slots, cfg.sliding_window)
+        self.meter = Meter()
+
+    def prefill(self, ids: list[int], start: int) -> tuple[Tensor, Tensor]:
+        if start != self.cache.length:
+            raise ValueError(
+                f"cache holds {self.cache.length} positions, prefill starts at {start}"
+            )
+        hidden, logits = prefill(
+            self.target, self.cache, torch.tensor(ids), self.chunk, self.prune, self.meter
+        )
+        self.rings.wrote(start + len(ids))
+        return hidden, logits
+
+    def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]:
+        hidden = forward_rows(self.target, self.cache, torch.tensor(ids), "all", self.meter)
+        assert hidden is not None
+        self.rings.wrote(position + len(ids))
+        with self.meter.phase("target"):
+            logits = self.target.model.logits(hidden)
+        return logits, hidden
+
+    def draft_step(
+        self, token: int, hidden: Tensor, position: int
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        assert self.drafter is not None
+        with self.meter.phase("embed"):
+            embed = self.target.tables.embed(torch.tensor([token]))[0]
+        with self.meter.phase("drafter"):
+            return self.drafter.model(embed, hidden, position, self.cache)
+
+    def truncate(self, length: int) -> bool:
+        keeps = self.rings.truncated(length)
+        self.cache.truncate(length if keeps else 0)
+        return keeps
+
+    def verify_shape(self, depth: int) -> str:
+        return f"rows_{depth + 1}"
+
+
+class Runner(Protocol):
+    """The static methods of one bundle, however they are executed."""
+
+    shapes: StaticShapes
+    methods: Mapping[str, Any]  # by name; which methods the bundle has
+
+    def call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]: ...
+
+
+class StaticBackend:
+    """A bundle's static methods behind the backend interface.
+
+    The host gathers embedding and PLE rows from the (memory-mapped) tables, cuts the prompt
+    into `chunk`-row calls (full chunks through `prefill_intermediate`, the rest left-padded into
+    `prefill_final`), and pads a verify round into the smallest `verify_K` that fits. The methods
+    own the cache; rollback is implicit (a write at position p first forgets slots >= p), so
+    `truncate` moves nothing. `runner.bytes_copied`, where a runner has it, counts cache rows it
+    copies on the host (ONNX Runtime); ExecuTorch and Core ML update the cache in the program.
+    """
+
+    def __init__(self, runner: Runner, tables: TokenTables, cfg: TextConfig, name: str = "static"):
+        self.runner, self.tables = runner, tables
+        self.shapes = shapes = runner.shapes
+        self.name = name
+        self.max_context = shapes.max_context
+        self.max_draft = shapes.max_draft
+        self.has_drafter = "draft_step" in runner.methods
+        self.vocab_size = cfg.vocab_size
+        self.meter = Meter()
+        self.calls: dict[str, int] = {}
+        ring = min(shapes.max_context, ring_size(cfg.sliding_window, shapes.max_draft))
+        slots = {k: shapes.max_context if k == "full" else ring for k in set(cfg.layer_types)}
+        self.rings = RingTracker(slots, cfg.sliding_window)
+
+    def _call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        before = getattr(self.runner, "bytes_copied", 0)
+        with self.meter.phase("drafter" if method == "draft_step" else "target"):
+            out = self.runner.call(method, *inputs)
+        copied = getattr(self.runner, "bytes_copied", 0) - before
+        self.meter.bytes_moved += tensor_bytes(*inputs, *out) + copied
+        return out
+
+    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        with self.meter.phase("embed"):
+            embeds = self.tables.embed(ids)
+            ple = self.tables.per_layer_inputs(ids)
+        if ple is None:  # the graph takes a placeholder it never reads
+            ple = torch.zeros(ids.shape[0], self.tables.num_layers, 1)
+        return embeds, ple
+
+    def _padded(self, ids: Tensor, position: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Inputs for `ids` at `position`.. left-padded to `rows`: pad rows have zero inputs
+        and the position after the last real row, which sends their K/V to the trash slot."""
+        pad = rows - ids.shape[0]
+        embeds, ple = self._rows(ids)
+        end = position + ids.shape[0]
+        positions = torch.cat([torch.full((pad,), end), torch.arange(position, end)])
+        embeds = torch.cat([embeds.new_zeros(pad, embeds.shape[1]), embeds])
+        ple = torch.cat([ple.new_zeros(pad, *ple.shape[1:]), ple])
+        return embeds, ple, positions
+
+    def _check_fits(self, end: int) -> None:
+        if end > self.max_context:
+            raise EdgeMTPError(
+                f"context full: {end} tokens exceed the bundle's max context {self.max_context} "
+                "(export with a larger --max-context, or start a new chat)"
+            )
+
+    def prefill(self, ids: list[int], start: int = 0) -> tuple[Tensor, Tensor]:
+        """Returns (last hidden, last logits)."""
+        c, n = self.shapes.chunk, len(ids)
+        if n == 0:
+            raise EdgeMTPError("nothing to prefill: the prompt is empty")
+        self._check_fits(start + n)
+        t = torch.tensor(ids)
+        last_start = (n - 1) // c * c
+        for i in range(0, last_start, c):
+            embeds, ple = self._rows(t[i : i + c])
+            self._call("prefill_intermediate", embeds, ple, torch.arange(start + i, start + i + c))
+        hidden, logits = self._call(
+            "prefill_final", *self._padded(t[last_start:], start + last_start, c)
+        )
+        self.rings.wrote(start + n)
+        return hidden, logits
+
+    def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]:
+        """Logits and hidden states of `ids` at `position`.., through the smallest verify
+        method that fits, left-padded like `prefill` (pad rows are written to the trash slot)."""
+        self._check_fits(position + len(ids))
+        method, pad = self.shapes.verify_method(len(ids) - 1)
+        logits, hidden = self._call(
+            method, *self._padded(torch.tensor(ids), position, len(ids) + pad)
+        )
+        self.rings.wrote(position + len(ids))
+        return logits[pad:], hidden[pad:]
+
+    def draft_step(
+        self, token: int, hidden: Tensor, position: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        with self.meter.phase("embed"):
+            embed = self.tables.embed(torch.tensor([token]))[0]
+        return self._call("draft_step", embed, hidden, torch.tensor([position]))  # type: ignore[return-value]
+
+    def truncate(self, length: int) -> bool:
+        return self.rings.truncated(length)
+
+    def verify_shape(self, depth: int) -> str:
+        return self.shapes.verify_method(depth)[0]
