@@ -173,6 +173,24 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
 
 
+def _add_distill(sub: argparse._SubParsersAction) -> None:
+    from edgemtp.train.distill import add_arguments
+
+    add_arguments(
+        sub.add_parser(
+            "distill", help="train an MTP assistant for any Gemma 4 target from its own outputs"
+        )
+    )
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    import shlex
+
+    from edgemtp.train.distill import run_distill as distill
+
+    return distill(args, "edgemtp " + shlex.join(sys.argv[1:]))
+
+
 def _check_positive(name: str, value: int | None, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise EdgeMTPError(f"{name} must be >= {minimum}, got {value}")
@@ -544,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_quantize(sub)
     _add_report(sub)
     _add_export(sub)
+    _add_distill(sub)
     args = parser.parse_args(argv)
     commands = {
         "generate": run_generate,
@@ -551,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantize": run_quantize,
         "quantize-report": run_report,
         "export": run_export,
+        "distill": run_distill,
     }
     try:
         return commands[args.command](args)
