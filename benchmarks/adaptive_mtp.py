@@ -3,9 +3,9 @@
 MTP's most reported failure is being slower than AR when the drafter disagrees (a mismatched or
 random drafter, an unusual domain). `--mtp auto` must then end within noise of AR. This script
 runs one bundle (or checkpoint pair) with `mtp=0`, `auto` and each pinned depth 1..K on the same
-prompt, interleaved within each repeat (AR, auto, 1, 2, ... then again), each run in a fresh
-session so adaptive starts from nothing, and reports the median decode tok/s of each with the
-ratio to AR, the depths auto used, and the acceptance.
+prompt, interleaved within each repeat (AR, auto, 1, 2, ... then again), each run from an empty
+cache and, for auto, a fresh depth policy that knows nothing yet, and reports the median decode
+tok/s of each with the ratio to AR, the depths auto used, and the acceptance.
 
 Usage:
   python benchmarks/adaptive_mtp.py --bundle BUNDLE [--repeat 5] [--tokens 128] [--prompt 64]
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from edgemtp.runtime.adaptive import AdaptiveDepth
 from edgemtp.runtime.session import Session
 
 RESULTS = Path(__file__).parent / "results"
@@ -55,10 +56,14 @@ def main() -> int:
     prompt = torch.randint(3, first.backend.vocab_size, (args.prompt,), generator=gen).tolist()
     first.generate(prompt, 16, mtp=0, stop_ids=())  # warm-up: first calls, page faults
     runs: list[dict] = []
+    session = first
     for repeat in range(args.repeat):
         for mode in modes:
-            session = first if repeat == 0 and mode == 0 else open_session(args)
             session.reset()
+            if session.adaptive is not None:  # auto starts from nothing in every run
+                session.adaptive = AdaptiveDepth(
+                    session.backend.max_draft, session.backend.verify_shape
+                )
             with torch.no_grad():
                 result = session.generate(prompt, args.tokens, mtp=mode, stop_ids=())
             m = result.metrics()
@@ -111,11 +116,11 @@ def main() -> int:
         )
     lines += ["", "## Command", "", f"```bash\n{command}\n```", ""]
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"adaptive_mtp{suffix}"
-    out.with_suffix(".json").write_text(
+    out = RESULTS / f"adaptive_mtp{suffix}"  # (names may hold dots: no with_suffix)
+    Path(f"{out}.json").write_text(
         json.dumps({"source": source, "summary": summary, "runs": runs}, indent=1) + "\n"
     )
-    out.with_suffix(".md").write_text("\n".join(lines))
+    Path(f"{out}.md").write_text("\n".join(lines))
 
     import matplotlib
 
@@ -133,7 +138,7 @@ def main() -> int:
     ax.set_title(f"adaptive vs pinned depth ({Path(source).name})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    fig.savefig(f"{out}.png", dpi=120)
     print("\n".join(lines))
     return 0
 

@@ -5,8 +5,9 @@ is the running probability that draft i is accepted given drafts 1..i-1 were; it
 T_k = k * (one drafter step) + (verifying k+1 rows, with the host's share of the round). Both
 come from the rounds this session has run: acceptance as decayed counts with a prior, costs as
 medians of recent rounds per verify shape (a static bundle verifies every k >= 1 with the same
-method; the reference engine's cost grows with the rows). The policy starts by measuring depth
-`max` and 0 twice each, then picks argmax E_k / T_k every round.
+method; the reference engine's cost grows with the rows). The policy starts with one round at
+depth 1 and one at 0 (`WARMUP`), then picks argmax E_k / T_k every round; a depth it has not
+measured is estimated from the nearest measured shape, and measured as soon as it is chosen.
 
 Re-evaluation is built in: every round decays the acceptance counts toward the prior, so a
 policy that settled on AR because the drafter disagreed probes a draft again after a while (the
@@ -21,7 +22,10 @@ from collections.abc import Callable
 
 from edgemtp.runtime.generate import Step
 
-WARMUP = 4  # rounds alternating the deepest draft and AR before the model decides
+# Before the model decides: one round drafting 1 token (it measures a drafter step and the
+# verify shape of k >= 1 rounds on a static bundle), one AR round. Cheap on purpose: with a
+# drafter that never agrees this is the whole cost of adaptive mode.
+WARMUP = (1, 0)
 HISTORY = 7  # recent samples whose median is a cost
 
 
@@ -90,8 +94,8 @@ class AdaptiveDepth:
         limit = min(limit, self.max_depth)
         if limit <= 0:
             return 0
-        if self.rounds < WARMUP:
-            return limit if self.rounds % 2 == 0 else 0
+        if self.rounds < len(WARMUP):
+            return min(WARMUP[self.rounds], limit)
         rates = {k: self.rate(k) for k in range(limit + 1)}
         self.last_estimate = {k: r for k, r in rates.items() if r is not None}
         if not self.last_estimate:
