@@ -1,4 +1,5 @@
-"""`edgemtp` command line: generate, synth, quantize, quantize-report, export."""
+"""`edgemtp` command line: generate, synth, quantize, quantize-report, export, distill,
+train-target, demo."""
 
 from __future__ import annotations
 
@@ -189,6 +190,59 @@ def run_distill(args: argparse.Namespace) -> int:
     from edgemtp.train.distill import run_distill as distill
 
     return distill(args, "edgemtp " + shlex.join(sys.argv[1:]))
+
+
+def _add_train_target(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train-target",
+        help="pre-train the embedded Gemma 4 target on this CPU (edgemtp train-target --help)",
+        add_help=False,
+    )
+    p.add_argument("rest", nargs=argparse.REMAINDER)  # parsed by train/pretrain.py
+
+
+def run_train_target(argv: list[str]) -> int:
+    from edgemtp.train.pretrain import main as pretrain
+
+    return pretrain(argv)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="export the embedded pair (first run) and compare MTP with AR on it"
+    )
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per run")
+    p.add_argument("--repeat", type=int, default=5, help="runs of each prompt (median)")
+    p.add_argument("--depth", type=int, default=3, help="MTP depth")
+    p.add_argument("--out", type=Path, help="bundle folder (default: a cache under ~/.cache)")
+    p.add_argument("--target", type=Path, help=argparse.SUPPRESS)  # another pair (tests)
+    p.add_argument("--drafter", type=Path, help=argparse.SUPPRESS)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from edgemtp.runtime.demo import ASSISTANT, TARGET, DemoSettings
+    from edgemtp.runtime.demo import run_demo as demo
+
+    _check_positive("--tokens", args.tokens, 2)
+    _check_positive("--repeat", args.repeat)
+    _check_positive("--depth", args.depth)
+    settings = DemoSettings(depth=args.depth, tokens=args.tokens, repeat=args.repeat)
+    say = (lambda _: None) if args.json else (lambda m: print(f"-- {m}", file=sys.stderr))
+    result = demo(args.target or TARGET, args.drafter or ASSISTANT, args.out, settings, say)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(result["prompt"] + result["text"])
+    print(
+        f"\nAR  {result['ar_decode_tok_s']:7.1f} tok/s\n"
+        f"MTP {result['mtp_decode_tok_s']:7.1f} tok/s (depth {result['depth']}): "
+        f"{result['speedup']:.2f}x, {result['mean_committed_per_forward']:.2f} tokens per "
+        f"target forward; MTP tokens {'equal' if result['mtp_tokens_equal_ar'] else 'DIFFER FROM'}"
+        f" AR's\nmedians of {result['runs']} runs x {result['prompts']} prompts x "
+        f"{result['tokens_per_run']} tokens; bundle: {result['bundle']}"
+    )
+    return 0
 
 
 def _check_positive(name: str, value: int | None, minimum: int = 1) -> None:
@@ -555,6 +609,9 @@ def run_synth(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-target"]:  # its own parser: options pass through whole
+        return run_train_target(argv[1:])
     parser = argparse.ArgumentParser(prog="edgemtp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
@@ -563,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_report(sub)
     _add_export(sub)
     _add_distill(sub)
+    _add_train_target(sub)
+    _add_demo(sub)
     args = parser.parse_args(argv)
     commands = {
         "generate": run_generate,
@@ -571,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantize-report": run_report,
         "export": run_export,
         "distill": run_distill,
+        "demo": run_demo,
     }
     try:
         return commands[args.command](args)

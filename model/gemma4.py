@@ -183,6 +183,22 @@ class CacheView(Protocol):
     def positions(self, kind: AttentionKind) -> Tensor: ...
 
 
+class EmptyCache:
+    """A `CacheView` holding nothing, on `device`: whole sequences from position 0 (training, and
+    distillation's teacher)."""
+
+    def __init__(self, cfg: TextConfig, device: torch.device | str = "cpu"):
+        self.cfg, self.device = cfg, torch.device(device)
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        spec = self.cfg.layers[layer]
+        empty = torch.zeros(spec.num_kv_heads, 0, spec.head_dim, device=self.device)
+        return empty, empty
+
+    def positions(self, kind: AttentionKind) -> Tensor:
+        return torch.zeros(0, dtype=torch.long, device=self.device)
+
+
 class Rows(Protocol):
     """A lookup table: a tensor (possibly memory-mapped) or a quantized table that dequantizes
     only the rows it is asked for."""

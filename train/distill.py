@@ -45,13 +45,12 @@ from edgemtp.model.checkpoint import Target, load_drafter, load_target
 from edgemtp.model.config import (
     ASSISTANT_MODEL_TYPE,
     AssistantConfig,
-    AttentionKind,
     TextConfig,
     check_drafter_matches,
     parse_assistant_config,
     read_config_json,
 )
-from edgemtp.model.gemma4 import Gemma4Drafter, drafter_mask, rope_cos_sin
+from edgemtp.model.gemma4 import EmptyCache, Gemma4Drafter, drafter_mask, rope_cos_sin
 from edgemtp.model.safetensors_file import TensorEntry, write_tensors
 from edgemtp.model.synth import TRANSFORMERS_LAYOUT_VERSION, _text_dict
 
@@ -186,21 +185,6 @@ def cluster_of(drafter: Gemma4Drafter) -> Tensor | None:
 # --- the teacher: the frozen target over whole sequences ---------------------------------------
 
 
-class _EmptyCache:
-    """A CacheView with nothing in it, on `device`: each sequence starts at position 0."""
-
-    def __init__(self, cfg: TextConfig, device: torch.device):
-        self.cfg, self.device = cfg, device
-
-    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        spec = self.cfg.layers[layer]
-        empty = torch.zeros(spec.num_kv_heads, 0, spec.head_dim, device=self.device)
-        return empty, empty
-
-    def positions(self, kind: AttentionKind) -> Tensor:
-        return torch.zeros(0, dtype=torch.long, device=self.device)
-
-
 @dataclass
 class Teacher:
     """The target over a batch of sequences, flattened to rows b*T + t."""
@@ -219,7 +203,7 @@ def teach(target: Target, seqs: Tensor, device: torch.device) -> Teacher:
     cfg, model = target.cfg, target.model
     T = seqs.shape[1]
     positions = torch.arange(T, device=device)
-    cache = _EmptyCache(cfg, device)
+    cache = EmptyCache(cfg, device)
     stores = sorted(set(cfg.store_layers.values()))
     embeds, hidden, kv = [], [], {i: ([], []) for i in stores}
     for ids in seqs:
