@@ -84,8 +84,7 @@ class Generation:
         prefilled = sum(s.rows for s in self.steps if s.kind == "prefill")
         n_out = len(self.tokens)
         decode_span = self.t_end - self.t_first
-        drafted = sum(s.drafted for s in decode)
-        accepted = sum(s.accepted for s in decode)
+        drafted, accepted = self.drafted, self.accepted
         # Each round's wall time, shared by the tokens it committed: the pace a reader sees.
         itl = [s.seconds["total"] / s.committed for s in decode for _ in range(s.committed)]
         phases = {p: sum(s.seconds.get(p, 0.0) for s in decode) for p in (*PHASES, "host")}
