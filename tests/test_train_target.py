@@ -31,7 +31,7 @@ def corpus_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(src / name, root / name)
     for d in _SUBSET_DIRS:
         shutil.copytree(src / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
-    for skipped in ("test", "site-packages", "idlelib", "email/tests"):
+    for skipped in ("test", "site-packages", "idlelib", "email/tests", "encodings"):
         (root / skipped).mkdir(parents=True, exist_ok=True)
         (root / skipped / "skipped.py").write_text("x = 1\n")
     (root / "huge.py").write_text("x = 1\n" * 40_000)  # > 200 kB
@@ -50,6 +50,7 @@ def test_source_files_exclusions(corpus_root: Path) -> None:
     assert files == sorted(files) and "argparse.py" in files and "json/decoder.py" in files
     assert not any(f.startswith(("test/", "site-packages/", "idlelib/")) for f in files)
     assert "email/tests/skipped.py" not in files and "huge.py" not in files
+    assert "encodings/skipped.py" not in files
     assert all(f.endswith(".py") for f in files)
 
 
@@ -83,6 +84,21 @@ def test_splits_and_manifest(data_dir: Path, corpus_root: Path, tmp_path: Path) 
     first = manifest["splits"]["train"]["paths"][0]
     original = (corpus_root / first).read_text(encoding="utf-8")
     assert data.read_split(data_dir, "train")[0] == original
+
+
+def test_held_out_prompts(data_dir: Path) -> None:
+    held_out = data.read_split(data_dir, "held_out")
+    train = "".join(data.read_split(data_dir, "train"))
+    prompts = data.held_out_prompts(data_dir, 3, context_lines=5)
+    assert 1 <= len(prompts) <= 3
+    for prompt in prompts:
+        lines = prompt.split("\n")
+        assert lines[-1] == "" and len(lines) <= 6  # 5 lines, the last a one-line signature
+        assert lines[-2].lstrip().startswith(("def ", "async def ")) and lines[-2].endswith(":")
+        assert any(prompt in doc for doc in held_out)
+    assert data.held_out_prompts(data_dir, 1, context_lines=5) == prompts[:1]
+    # the split really holds out: no held-out file is inside the training text
+    assert not any(doc in train for doc in held_out if len(doc) > 200)
 
 
 def test_tokenizer_vocab_special_ids_and_round_trip(data_dir: Path) -> None:

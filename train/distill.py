@@ -93,7 +93,9 @@ def assistant_config(target: TextConfig, layers: int = 2, hidden: int | None = N
     kinds = ["sliding" if "sliding" in stores else "full"] * (layers - 1) + ["full"]
     hidden = hidden or min(256, target.hidden_size)
     vocab = target.vocab_size
-    centroids = min(2048, max(1, vocab // 32))  # Google's: 2048 clusters of 128 for 262 144
+    # Google's ratio: clusters of 128 tokens (2048 for 262 144; 64 for our 8192); at least 16
+    # clusters for small vocabularies, so the head stays a clustered one.
+    centroids = max(1, vocab // min(128, max(1, vocab // 16)))
     while vocab % centroids:
         centroids -= 1
     text = _text_dict(

@@ -1,0 +1,99 @@
+"""The embedded default pair (`models/`): what ships, how it is released, and that it drafts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgemtp.errors import EdgeMTPError
+from edgemtp.model.checkpoint import load_drafter, load_target, open_checkpoint
+from edgemtp.model.synth import write_preset
+from edgemtp.runtime.demo import ASSISTANT, PROMPTS, TARGET
+from edgemtp.runtime.session import Session
+from edgemtp.runtime.tokenizer import load_tokenizer
+from edgemtp.train.release import release
+
+
+def test_release_is_bf16_and_loads_the_same_model(tmp_path: Path) -> None:
+    write_preset("tiny", tmp_path / "t", dtype="float32", init_std=0.05)
+    write_preset("tiny-assistant", tmp_path / "a", dtype="float32")
+    release(tmp_path / "t", tmp_path / "t16")
+    release(tmp_path / "a", tmp_path / "a16")
+    with pytest.raises(EdgeMTPError, match="already exists"):
+        release(tmp_path / "t", tmp_path / "t16")
+    assert not (tmp_path / "t16.tmp").exists()
+
+    for name in ("t", "a"):
+        src, dst = open_checkpoint(tmp_path / name), open_checkpoint(tmp_path / f"{name}16")
+        assert sorted(src.names()) == sorted(dst.names())
+        for tensor in src.names():
+            a, b = src.tensor(tensor), dst.tensor(tensor)
+            if a.is_floating_point():
+                assert b.dtype == torch.bfloat16
+                torch.testing.assert_close(b.float(), a.to(torch.bfloat16).float(), atol=0, rtol=0)
+            else:  # the assistant's token ordering: exact
+                assert torch.equal(a, b)
+        assert json.loads((tmp_path / f"{name}16" / "config.json").read_text())["dtype"] == (
+            "bfloat16"
+        )
+    size = (tmp_path / "t16" / "model.safetensors").stat().st_size
+    assert size < 0.55 * (tmp_path / "t" / "model.safetensors").stat().st_size
+
+    target = load_target(tmp_path / "t16")
+    load_drafter(tmp_path / "a16", target.cfg)
+
+
+# --- the shipped pair ------------------------------------------------------------------------
+
+shipped = pytest.mark.skipif(
+    not (TARGET / "config.json").is_file(), reason="models/embedded-* not in this checkout"
+)
+
+
+@shipped
+def test_shipped_target_has_every_gemma4_feature() -> None:
+    target = load_target(TARGET)
+    cfg = target.cfg
+    kinds = {layer.attention for layer in cfg.layers}
+    assert kinds == {"sliding", "full"}
+    assert cfg.hidden_size_per_layer_input > 0  # per-layer embeddings
+    assert 0 < cfg.num_kv_shared_layers < cfg.num_layers  # KV-shared layers and stores
+    assert cfg.final_logit_softcapping
+    stored = open_checkpoint(TARGET)  # the PLE table is read by rows, not a module parameter
+    params = sum(stored.tensor(n).numel() for n in stored.names())
+    assert 10e6 <= params <= 30e6
+    tokenizer = load_tokenizer(TARGET)
+    assert tokenizer is not None
+    assert tokenizer.tokenizer.get_vocab_size() == cfg.vocab_size == 8192
+    drafter = load_drafter(ASSISTANT, cfg)
+    assert cfg.vocab_size % drafter.cfg.num_centroids == 0
+    for folder in (TARGET, ASSISTANT):
+        assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@shipped
+def test_shipped_pair_drafts_well_on_the_demo_prompts() -> None:
+    """Greedy, float reference: MTP commits the AR tokens, several per target forward."""
+    session = Session.from_checkpoints(TARGET, ASSISTANT, max_context=512, max_draft=3)
+    assert session.tokenizer is not None
+    texts = json.loads(PROMPTS.read_text())
+    assert len(texts) >= 3
+    rates, ar = {}, {}
+    for depth in (0, 2, 3):
+        committed = forwards = 0
+        for i, text in enumerate(texts):
+            session.reset()
+            ids = session.tokenizer.encode_prompt(text)
+            result = session.generate(ids, 48, mtp=depth, stop_ids=())
+            if depth == 0:
+                ar[i] = result.tokens
+            assert result.tokens == ar[i]
+            decode = [s for s in result.steps if s.kind == "decode"]
+            committed += sum(s.committed for s in decode)
+            forwards += len(decode)
+        rates[depth] = committed / forwards
+    assert rates[0] == 1.0
+    assert rates[2] >= 1.8 and rates[3] >= 2.1, rates
