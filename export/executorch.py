@@ -209,18 +209,21 @@ def xnnpack_int8_rows(x: Tensor) -> Tensor:
 
 
 class Int4ClusteredHead(ClusteredHead):
-    """The clustered head gathering its LM-head rows from int4 codes: the rows are dequantized
-    in fp32 exactly as the reference's (codes - zeros) * scales, then dotted with h."""
+    """The clustered head over a 4-bit LM head: the whole vocabulary through that head's 4-bit
+    linear, then the kept clusters' logits picked by token id.
 
-    row_codes: Tensor  # int8 [vocab, hidden], codes - zeros
-    row_scales: Tensor  # f32 [vocab, hidden / group]
+    Gathering the kept rows instead would read fewer weights, but ExecuTorch delegates no gather
+    and converts the gathered int8 codes to fp32 with a portable kernel: 0.42 ms of a 0.85 ms
+    draft step for 512 rows of 256 (benchmarks/embedded_demo.md), where XNNPACK's int4 linear
+    over all 8192 rows takes about 0.05 ms. At E2B's 262144 x 256 head the linear (67 M MACs) is
+    still cheaper on a CPU than converting the 4096 kept rows."""
+
+    linear: Int4Linear
 
     def forward(self, h: Tensor, lm_head_weight: Tensor) -> tuple[Tensor, Tensor]:
         top = torch.topk(self.centroids(h), self.top_k).indices
         ids = self.token_ordering.view(-1, self.tokens_per_centroid)[top].reshape(-1)
-        n, groups, group = ids.shape[0], self.row_scales.shape[1], self.row_group
-        rows = self.row_codes[ids].float().view(n, groups, group) * self.row_scales[ids][..., None]
-        return ids, rows.view(n, -1) @ h
+        return ids, self.linear(h)[ids]
 
 
 def _norm_dim(model: nn.Module, path: str, norm: nn.Module) -> int:
@@ -248,13 +251,11 @@ def swap_int4(model: nn.Module, make: Callable[[Int4Weight], Int4Linear], role: 
         stats["head"] = "fp32 rows gathered"
         if w is not None:
             head.__class__ = Int4ClusteredHead
-            head.register_buffer("row_codes", w.signed_codes(), persistent=False)
-            head.register_buffer("row_scales", w.scales.float(), persistent=False)
-            head.row_group = w.group
-            stats["head"] = f"int4 {w.scheme} rows gathered and dequantized in fp32"
+            head.linear = make(w)
+            stats["head"] = f"int4 {w.scheme} linear over the vocabulary, kept logits picked"
     for path, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or (clustered and path == "lm_head"):
-            continue  # a clustered head reads its LM head only through the gather
+            continue  # a clustered head reads its LM head through its own linear
         w = int4_of(module)
         if w is None:
             stats["float_linears"].append(f"{role}.{path}" if role else path)
@@ -464,10 +465,7 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
         out["activations"] = "fp32"
         out["accumulation"] = "fp32"
     if stats["head"]:
-        out["drafter_head"] = (
-            f"clustered head: {stats['head']}, fp32 dot products (portable kernels; a gather by "
-            "token id is not a linear)"
-        )
+        out["drafter_head"] = f"clustered head: {stats['head']}"
     out["norms"] = "RMSNorm mean of squares as a 1-output fp32 linear (weights 1/d)"
     out["cache"] = "fp32 K/V, shared in place by every method"
     return out

@@ -10,9 +10,10 @@ EDGEMTP_SLOW_TESTS=1 (ExecuTorch lowers a tiny bundle in ~6 min on a 2-core host
 tokens equal `runtime.generate.generate`, AR and MTP depth 2. 8da4w: exact equality of free-running
 tokens is ill-posed on a random tiny model (a 1e-7 relative change of the activations moves its
 logits by ~1.5% through int8 rounding flips, more than many top-2 gaps), so the program's MTP
-tokens must equal its own AR tokens (lossless MTP, cache rollback), partial acceptance must roll
-back exactly, teacher-forced tokens must match the eager reference of the program's numerics
-but at near-ties, and the logits must stay within the stated tolerances of the eager references.
+tokens (every depth, adaptive, and known drafts partly rejected: cache rollback) must be what its
+own AR method picks when fed them, but at near-ties; its AR tokens, teacher-forced, must match
+the eager reference of the program's numerics but at near-ties; and the logits must stay within
+the stated tolerances of the eager references.
 """
 
 from __future__ import annotations
@@ -240,17 +241,26 @@ def test_program_tokens(checkpoints, lowered, scheme):
     runner = ExecuTorchRunner(pte, SHAPES)
     driver = StaticBackend(runner, target.tables, target.cfg)
     ar = greedy(driver, _prompt(), N_NEW, 0)
+
+    def lossless(tokens: list[int], label: object) -> None:
+        if scheme == "none":
+            assert tokens == ar.tokens, label
+        else:  # verify_4 and verify_0 round differently (see _program_picks)
+            agree, gap = _program_picks(driver, _prompt(), tokens)
+            assert agree >= N_NEW - 2 and gap <= TOLERANCE["8da4w_vs_8da4w"], (label, agree, gap)
+
     for depth in range(1, SHAPES.max_draft + 1):  # 1..3 left-padded into verify_4
         mtp = greedy(driver, _prompt(), N_NEW, depth)
-        assert mtp.tokens == ar.tokens and mtp.calls["draft_step"] > 0, depth
+        assert mtp.calls["draft_step"] > 0
+        lossless(mtp.tokens, depth)
     mtp = greedy(driver, _prompt(), N_NEW, 2)
-    auto = Session(driver).generate(_prompt(), N_NEW, stop_ids=())  # adaptive depth
-    assert auto.tokens == ar.tokens
+    lossless(Session(driver).generate(_prompt(), N_NEW, stop_ids=()).tokens, "adaptive")
     oracle = OracleDrafts(
         runner, target.tables, target.cfg, ar_tokens=ar.tokens, prompt_len=len(_prompt())
     )
     rolled = greedy(oracle, _prompt(), N_NEW, 2)
-    assert rolled.tokens == ar.tokens and 0 < rolled.accepted < rolled.drafted
+    assert 0 < rolled.accepted < rolled.drafted
+    lossless(rolled.tokens, "rollback")
     if scheme == "none":  # same numerics as the reference engine: same tokens
         for depth, got in ((0, ar), (2, mtp)):
             ref = generate(
@@ -270,6 +280,28 @@ def test_program_tokens(checkpoints, lowered, scheme):
         if name == "8da4w":
             assert agree[name] >= N_NEW - 3 and gap <= 0.08
     assert agree["fp32"] < agree["8da4w"]
+
+
+def _program_picks(
+    driver: StaticBackend, prompt: list[int], tokens: list[int]
+) -> tuple[int, float]:
+    """Fed prompt + tokens one at a time through the program's AR method (verify_0), how many
+    of `tokens` it also picks greedily, and the largest gap between its best logit and the
+    token's, relative to its logit range.
+
+    MTP on an 8da4w program is lossless only up to near-ties: its verify_4 runs other XNNPACK
+    GEMM micro-kernels than verify_0 (another float summation order in attention), and a 1e-7
+    relative change of the activations flips int8 codes that move a random tiny model's logits
+    by ~1.5%, more than many top-2 gaps. A broken rollback or cache instead picks tokens far
+    from the program's choice."""
+    driver.truncate(0)
+    rows = [driver.prefill(prompt, 0)[1]]
+    for i, token in enumerate(tokens[:-1]):
+        rows.append(driver.verify([token], len(prompt) + i)[0][0])
+    logits = torch.stack(rows)
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    gap = (logits.max(-1).values - chosen) / logits.abs().amax(-1)
+    return int((gap == 0).sum()), float(gap.max())
 
 
 def _teacher_forced(target, prompt: list[int], tokens: list[int]) -> tuple[int, float]:
