@@ -228,7 +228,10 @@ def run_demo(args: argparse.Namespace) -> int:
     _check_positive("--repeat", args.repeat)
     _check_positive("--depth", args.depth)
     settings = DemoSettings(depth=args.depth, tokens=args.tokens, repeat=args.repeat)
-    say = (lambda _: None) if args.json else (lambda m: print(f"-- {m}", file=sys.stderr))
+
+    def say(message: str) -> None:  # progress on stderr, also with --json
+        print(f"-- {message}", file=sys.stderr, flush=True)
+
     result = demo(args.target or TARGET, args.drafter or ASSISTANT, args.out, settings, say)
     if args.json:
         print(json.dumps(result))
@@ -238,10 +241,14 @@ def run_demo(args: argparse.Namespace) -> int:
         f"\nAR  {result['ar_decode_tok_s']:7.1f} tok/s\n"
         f"MTP {result['mtp_decode_tok_s']:7.1f} tok/s (depth {result['depth']}): "
         f"{result['speedup']:.2f}x, {result['mean_committed_per_forward']:.2f} tokens per "
-        f"target forward; MTP tokens {'equal' if result['mtp_tokens_equal_ar'] else 'DIFFER FROM'}"
-        f" AR's\nmedians of {result['runs']} runs x {result['prompts']} prompts x "
+        f"target forward; MTP tokens equal AR's in {result['mtp_runs_equal_ar']} of "
+        f"{result['runs'] * result['prompts']} runs\n"
+        f"medians of {result['runs']} runs x {result['prompts']} prompts x "
         f"{result['tokens_per_run']} tokens; bundle: {result['bundle']}"
     )
+    for mode, phases in result["decode_ms_per_token_by_phase"].items():
+        split = ", ".join(f"{phase} {ms:.3f}" for phase, ms in phases.items() if ms)
+        print(f"{mode.upper():3} ms per token: {split}")
     return 0
 
 

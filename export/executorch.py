@@ -213,10 +213,11 @@ class Int4ClusteredHead(ClusteredHead):
     linear, then the kept clusters' logits picked by token id.
 
     Gathering the kept rows instead would read fewer weights, but ExecuTorch delegates no gather
-    and converts the gathered int8 codes to fp32 with a portable kernel: 0.42 ms of a 0.85 ms
-    draft step for 512 rows of 256 (benchmarks/embedded_demo.md), where XNNPACK's int4 linear
-    over all 8192 rows takes about 0.05 ms. At E2B's 262144 x 256 head the linear (67 M MACs) is
-    still cheaper on a CPU than converting the 4096 kept rows."""
+    and converts the gathered int8 codes to fp32 with a portable kernel: 0.42 ms of a 0.79 ms
+    draft step for 512 rows of 256, where XNNPACK's int4 linear over all 8192 rows takes about
+    0.05 ms (benchmarks/README.md, the embedded demo). At E2B's 262144 x 256 head, by the same
+    rates, the linear (67 M MACs, ~1.5 ms) still costs less than converting and summing the
+    4096 kept rows (~3 ms)."""
 
     linear: Int4Linear
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
 from edgemtp.model.checkpoint import load_drafter, load_target, open_checkpoint
 from edgemtp.model.synth import write_preset
@@ -97,3 +98,35 @@ def test_shipped_pair_drafts_well_on_the_demo_prompts() -> None:
         rates[depth] = committed / forwards
     assert rates[0] == 1.0
     assert rates[2] >= 1.8 and rates[3] >= 2.1, rates
+
+
+@shipped
+def test_demo_exports_once_and_reports_mtp_against_ar(tmp_path: Path, capsys) -> None:
+    """`edgemtp demo --json`: the embedded pair lowered to a Q4_0 ExecuTorch bundle (once), MTP
+    and AR on the same prompts, the figures as one JSON object; the second run reuses the
+    bundle."""
+    out = tmp_path / "bundle"
+    argv = ["demo", "--json", "--tokens", "24", "--repeat", "1", "--depth", "3", "--out", str(out)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert "exporting the embedded pair" in captured.err
+    for key in ("ar_decode_tok_s", "mtp_decode_tok_s", "speedup", "mean_committed_per_forward"):
+        assert result[key] > 0, key
+    assert result["speedup"] == pytest.approx(
+        result["mtp_decode_tok_s"] / result["ar_decode_tok_s"]
+    )
+    assert result["depth"] == 3 and result["bundle"] == str(out)
+    assert result["mean_committed_per_forward"] >= 1.8
+    # lossless but at near-ties (verify_3 and verify_0 round differently): most runs equal
+    assert result["mtp_runs_equal_ar"] >= result["prompts"] - 1
+    assert len(result["text"].strip()) > 20  # decoded text, not token ids
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["backend"] == "executorch" and manifest["quantization"]["scheme"] == "q4_0"
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "(cached)" in captured.err and "exporting" not in captured.err
+    assert json.loads(captured.out)["bundle"] == str(out)
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp

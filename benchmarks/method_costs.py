@@ -1,0 +1,179 @@
+"""Where an ExecuTorch bundle's decode time goes: each method's cost per call, and per op type.
+
+    python benchmarks/method_costs.py --bundle DIR [--threads 1] [--repeat 7] [--calls 100]
+        [--etdump] [--out benchmarks/results/NAME]
+
+Calls every decode method (verify_K, draft_step; prefill_final with --prefill) with inputs built
+from the manifest's signatures (positions past the prompt, so masks and ring writes are real),
+interleaved, `--repeat` rounds of `--calls` calls: the median ms per call. `--etdump` then loads
+the program again with ExecuTorch's event tracer and splits each method's time by operator
+type (XNNPACK ops inside the delegates, portable kernels outside them, and the per-call
+overhead: DELEGATE_CALL time not covered by the ops inside it). Writes NAME.json and NAME.md.
+The runtime's own Python host overhead is not here: `benchmarks/runtime_backends.py` has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from runtime_backends import machine
+
+POSITION = 100  # where decode calls write: past a prompt, inside the context
+
+
+def method_inputs(signature: dict) -> tuple[torch.Tensor, ...]:
+    out = []
+    for spec in signature["inputs"]:
+        shape = spec["shape"]
+        if spec["dtype"] == "int64":
+            out.append(torch.arange(POSITION, POSITION + shape[0]))
+        else:
+            out.append(torch.randn(*shape) * 0.1)
+    return tuple(out)
+
+
+def decode_methods(manifest: dict, prefill: bool) -> dict[str, tuple[torch.Tensor, ...]]:
+    names = [n for n in manifest["methods"] if n.startswith("verify_") or n == "draft_step"]
+    if prefill:
+        names.append("prefill_final")
+    return {n: method_inputs(manifest["methods"][n]) for n in sorted(names)}
+
+
+def time_methods(pte: Path, calls: dict, repeat: int, n: int) -> dict[str, float]:
+    from executorch.extension.pybindings import portable_lib
+
+    module = portable_lib._load_for_executorch(str(pte))
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeat):
+        for name, inputs in calls.items():
+            for _ in range(5):
+                module.run_method(name, inputs)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                module.run_method(name, inputs)
+            samples[name].append((time.perf_counter() - t0) / n * 1e3)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def op_breakdown(pte: Path, name: str, inputs: tuple, n: int) -> dict[str, dict[str, float]]:
+    """ms per call by operator type, from ETDump (one fresh load per method)."""
+    from executorch.devtools import Inspector
+    from executorch.extension.pybindings import portable_lib
+
+    module = portable_lib._load_for_executorch(str(pte), enable_etdump=True)
+    for _ in range(n):
+        module.run_method(name, inputs)
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / "run.etdp"
+        module.write_etdump_result_to_file(str(dump), str(Path(tmp) / "debug.bin"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inspector = Inspector(etdump_path=str(dump))
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for block in inspector.event_blocks:
+        if block.name != "Execute":
+            continue
+        for event in block.events:
+            if event.perf_data is None:
+                continue
+            key = re.sub(r" #\d+$", "", event.name)  # "GEMM #12" -> "GEMM": by op type
+            totals[key][0] += len(event.perf_data.raw)
+            totals[key][1] += sum(event.perf_data.raw)
+    runs = totals["Method::execute"][0] or 1
+    table = {k: {"count": c / runs, "ms": t / runs} for k, (c, t) in totals.items()}
+    inside = sum(
+        v["ms"]
+        for k, v in table.items()
+        if k not in ("Method::execute", "DELEGATE_CALL", "OPERATOR_CALL")
+        and not k.startswith("native_call_")
+    )
+    portable = sum(v["ms"] for k, v in table.items() if k.startswith("native_call_"))
+    table["(xnnpack ops)"] = {"count": 0, "ms": inside}
+    table["(portable kernels)"] = {"count": 0, "ms": portable}
+    table["(delegate overhead)"] = {"count": 0, "ms": table["DELEGATE_CALL"]["ms"] - inside}
+    return table
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"# Method costs: {result['bundle']}",
+        "",
+        f"`{result['command']}`",
+        "",
+        f"{result['machine']['cpu']}; XNNPACK threads: {result['threads']}; medians of "
+        f"{result['repeat']} interleaved rounds of {result['calls']} calls.",
+        "",
+        "| method | ms per call | / verify_0 |",
+        "|---|---:|---:|",
+    ]
+    base = result["ms_per_call"].get("verify_0")
+    for name, ms in result["ms_per_call"].items():
+        ratio = f"{ms / base:.2f}" if base else "-"
+        lines.append(f"| {name} | {ms:.3f} | {ratio} |")
+    for name, table in result.get("ops", {}).items():
+        lines += ["", f"## {name} by op type (ETDump; tracing adds its own overhead)", ""]
+        lines += ["| op | calls | ms |", "|---|---:|---:|"]
+        ordered = sorted(table.items(), key=lambda kv: -kv[1]["ms"])
+        for op, v in ordered[:16]:
+            lines.append(f"| {op} | {v['count']:.0f} | {v['ms']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--prefill", action="store_true", help="also time prefill_final")
+    parser.add_argument("--etdump", action="store_true", help="split each method by op type")
+    parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    args = parser.parse_args()
+
+    from executorch.extension.pybindings import portable_lib
+
+    from edgemtp.export.driver import enable_xnnpack_weight_cache
+
+    manifest = json.loads((args.bundle / "manifest.json").read_text())
+    if manifest["backend"] != "executorch":
+        sys.exit(f"{args.bundle}: a {manifest['backend']} bundle; this script times ExecuTorch")
+    pte = args.bundle / manifest["program"]
+    enable_xnnpack_weight_cache()
+    portable_lib._unsafe_reset_threadpool(args.threads)
+    torch.manual_seed(0)
+    calls = decode_methods(manifest, args.prefill)
+    print(f"timing {', '.join(calls)}", file=sys.stderr)
+    result = {
+        "bundle": str(args.bundle),
+        "command": "python " + " ".join(sys.argv),
+        "machine": machine(args.threads),
+        "threads": args.threads,
+        "repeat": args.repeat,
+        "calls": args.calls,
+        "ms_per_call": time_methods(pte, calls, args.repeat, args.calls),
+    }
+    if args.etdump:
+        result["ops"] = {}
+        for name, inputs in calls.items():
+            print(f"tracing {name}", file=sys.stderr)
+            result["ops"][name] = op_breakdown(pte, name, inputs, 30)
+    text = report(result)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
