@@ -40,6 +40,7 @@ PRESETS: tuple[str, ...] = (
     "e4b-assistant",
     "tiny",
     "tiny-assistant",
+    "peer-90m",
 )
 
 DTYPES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -86,6 +87,8 @@ class _TargetShape:
     ple: int
     vocab: int
     window: int
+    tail: int = 0  # KV-shared layers after the shared blocks, the pattern going on, the last full
+    double_wide: bool = True  # KV-shared layers' MLP twice as wide (E2B, E4B)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,11 @@ _TARGETS: dict[str, _TargetShape] = {
     "e4b": _TargetShape(2560, 10240, 6, 4, 3, 8, 2, 256, 512, 256, 262_144, 512),
     # 10 layers = 1 own + 1 shared block of 5; store layers 3 and 4; window 16.
     "tiny": _TargetShape(64, 128, 5, 1, 1, 4, 1, 16, 32, 16, 512, 16),
+    # BRIEF §10's benchmark shape "PEER-90M": 12 layers = 1 own + 1 shared block of 5 + 2 shared
+    # (sliding, full); 7 KV-shared layers; store layers 3 and 4 (where llama.cpp wants them).
+    "peer-90m": _TargetShape(
+        512, 2048, 5, 1, 1, 4, 1, 128, 256, 64, 32_768, 512, tail=2, double_wide=False
+    ),
 }
 
 _ASSISTANTS: dict[str, _AssistantShape] = {
@@ -210,13 +218,15 @@ def _target_dict(shape: _TargetShape, scale: float, init_std: float) -> dict[str
     blocks_own = _scaled_blocks(shape.own_blocks, scale)
     blocks_shared = _scaled_blocks(shape.shared_blocks, scale)
     p = shape.period
-    n = p * (blocks_own + blocks_shared)
-    layer_types = ["full_attention" if i % p == p - 1 else "sliding_attention" for i in range(n)]
+    n = p * (blocks_own + blocks_shared) + shape.tail
+    layer_types = [
+        "full_attention" if i % p == p - 1 or i == n - 1 else "sliding_attention" for i in range(n)
+    ]
     return _text_dict(
         hidden=_scaled(shape.hidden, scale, 64),
         intermediate=_scaled(shape.intermediate, scale, 64),
         layer_types=layer_types,
-        num_kv_shared=p * blocks_shared,
+        num_kv_shared=p * blocks_shared + shape.tail,
         heads=shape.heads,
         kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,
@@ -224,7 +234,7 @@ def _target_dict(shape: _TargetShape, scale: float, init_std: float) -> dict[str
         ple=_scaled(shape.ple, scale, 8),
         vocab=shape.vocab,
         window=shape.window,
-        double_wide=True,
+        double_wide=shape.double_wide,
         init_std=init_std,
     )
 

@@ -155,6 +155,35 @@ def test_full_size_target_configs(
     assert hf.per_layer_config[stores["full"]].head_dim == 512
 
 
+def test_peer_90m_is_the_benchmark_shape() -> None:
+    """BRIEF §10's "PEER-90M": hidden 512, 12 layers (4 sliding : 1 full, the last full), 7
+    KV-shared layers with store layers 3 and 4, 4 heads, 1 KV head, head_dim 128 / 256, MLP 2048
+    (not double-wide), PLE 64, vocab 32768, window 512, soft-cap 30, ~90 M parameters."""
+    cfg = preset_config("peer-90m")
+    text = parse_text_config(cfg)
+    assert text.layer_types == ("sliding",) * 4 + ("full",) + ("sliding",) * 4 + (
+        "full",
+        "sliding",
+        "full",
+    )
+    assert (text.hidden_size, text.num_kv_shared_layers, text.store_layers) == (
+        512,
+        7,
+        {"sliding": 3, "full": 4},
+    )
+    assert {s.intermediate_size for s in text.layers} == {2048}
+    assert {(s.attention, s.head_dim, s.num_kv_heads) for s in text.layers} == {
+        ("sliding", 128, 1),
+        ("full", 256, 1),
+    }
+    assert (text.num_heads, text.hidden_size_per_layer_input, text.vocab_size) == (4, 64, 32_768)
+    assert (text.sliding_window, text.final_logit_softcapping) == (512, 30.0)
+    assert abs(parameter_count(text) / 90e6 - 1) < 0.02
+    assert sum(t.numel for t in tensor_specs(cfg)) == parameter_count(text)
+    hf = transformers.Gemma4TextConfig(**cfg)
+    assert [hf.kv_sharing_modes[i] for i in (3, 4)] == ["store", "store"]
+
+
 @pytest.mark.parametrize(("preset", "target"), [("e2b-assistant", "e2b"), ("e4b-assistant", "e4b")])
 def test_full_size_assistant_configs(preset: str, target: str) -> None:
     cfg = preset_config(preset)
@@ -214,6 +243,7 @@ def test_scale_keeps_structure() -> None:
         "e4b-assistant",
         "tiny",
         "tiny-assistant",
+        "peer-90m",
     }
 
 
