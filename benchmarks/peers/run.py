@@ -56,9 +56,14 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def run(cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
+def run(cmd: list[str], stream: bool = False) -> str:
+    """Run a command; `stream`: its output goes to this terminal (long steps show progress)."""
     log(" ".join(cmd))
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if stream:
+        if subprocess.run(cmd, stdout=sys.stderr).returncode:
+            sys.exit(f"failed: {' '.join(cmd)}")
+        return ""
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-4000:]}")
     return done.stdout
@@ -124,7 +129,7 @@ def setup(work: Path, threads: int) -> dict[str, Path]:
              "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON", *flags])  # fmt: skip
         jobs = str(os.cpu_count() or 2)
         run(["cmake", "--build", str(llama / "build"), "-j", jobs, "--target", "llama-bench",
-             "llama-quantize"])  # fmt: skip
+             "llama-quantize"], stream=True)  # fmt: skip
 
     f32, q4 = work / "peer-90m-f32.gguf", work / "peer-90m-q4_0.gguf"
     if not q4.is_file():
@@ -138,7 +143,7 @@ def setup(work: Path, threads: int) -> dict[str, Path]:
     if not (bundle / "manifest.json").is_file():
         run([edgemtp, "export", "--model", str(q4), "--quant", "auto", "--backend", "executorch",
              "--delegate", "cpu", "--max-context", "4096", "--prefill-chunk", "128",
-             "--out", str(bundle), "--force"])  # fmt: skip
+             "--out", str(bundle), "--force"], stream=True)  # fmt: skip
     return {"checkpoint": ckpt, "llama_bench": bench, "gguf": q4, "bundle": bundle}
 
 
