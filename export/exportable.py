@@ -9,8 +9,9 @@ the same functions with delegated ops only:
 
 - RMSNorm: mean of squares as a 4-D global average pool, `rsqrt` instead of `pow(-0.5)`;
 - attention: the boolean mask becomes an additive mask once per mask tensor, and grouped-query
-  attention is two batched matmuls over KV groups (no K/V repeat). No row is ever fully masked
-  in the static programs (see `static.py`), so the additive form equals the boolean one.
+  attention is batched matmuls over KV groups (no K/V repeat), per segment: the cache and the
+  new rows are never concatenated. No row is ever fully masked in the static programs (see
+  `static.py`), so the additive form equals the boolean one.
 
 Numerics differ from the eager reference only by float rounding.
 """
@@ -51,19 +52,43 @@ class ExportRMSNorm(RMSNorm):
         return y.type_as(x)
 
 
+Segments = tuple[Tensor, ...]
+
+
 class ExportAttention(Attention):
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, mask: Tensor
+    def extend(self, past: Tensor | Segments, new: Tensor) -> Segments:  # type: ignore[override]
+        """The cache and the new rows kept apart: concatenating them copied the whole static
+        cache in every layer at every step (0.8 of a 9.4 ms decode step on PEER-90M)."""
+        return (*past, new) if isinstance(past, tuple) else (past, new)
+
+    def forward(  # type: ignore[override]
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k: Tensor | Segments,
+        v: Tensor | Segments,
+        mask: Tensor,
     ) -> Tensor:
-        t, hd, kvh = x.shape[0], self.spec.head_dim, k.shape[0]
+        ks = k if isinstance(k, tuple) else (k,)
+        vs = v if isinstance(v, tuple) else (v,)
+        t, hd, kvh = x.shape[0], self.spec.head_dim, ks[0].shape[0]
         q = self.q_proj(x).view(t, -1, hd)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(0, 1)  # [heads, T, hd]
         group = q.shape[0] // kvh
-        scores = torch.bmm(q.reshape(kvh, group * t, hd), k.transpose(1, 2))  # scale 1.0
+        q = q.reshape(kvh, group * t, hd)
+        scores = torch.cat([torch.bmm(q, s.transpose(1, 2)) for s in ks], dim=-1)  # scale 1.0
         scores = scores.view(kvh, group, t, -1) + additive_mask(mask)
         probs = torch.softmax(scores, dim=-1).view(kvh, group * t, -1)
-        out = torch.bmm(probs, v).view(kvh * group, t, hd)
-        return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+        if len(vs) == 1:
+            out = torch.bmm(probs, vs[0])
+        else:  # probabilities of each segment times its values, summed
+            out, start = None, 0
+            for s in vs:
+                part = torch.bmm(probs[..., start : start + s.shape[1]], s)
+                out, start = part if out is None else out + part, start + s.shape[1]
+            assert out is not None
+        return self.o_proj(out.view(kvh * group, t, hd).transpose(0, 1).reshape(t, -1))
 
 
 def make_exportable(module: nn.Module) -> nn.Module:

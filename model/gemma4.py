@@ -112,6 +112,10 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(k), cos, sin)
         return k.transpose(0, 1), self.v_norm(v).transpose(0, 1)
 
+    def extend(self, past: Tensor, new: Tensor) -> Tensor:
+        """What the rows attend to: the cache's entries, then the new rows' ([kv_heads, S, d])."""
+        return torch.cat([past, new], dim=1)
+
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, mask: Tensor
     ) -> Tensor:
@@ -166,7 +170,7 @@ class DecoderLayer(nn.Module):
         new_kv = None
         if self.spec.owns_kv:
             new_kv = self.self_attn.project_kv(x, cos, sin)
-            k, v = torch.cat([k, new_kv[0]], dim=1), torch.cat([v, new_kv[1]], dim=1)
+            k, v = self.self_attn.extend(k, new_kv[0]), self.self_attn.extend(v, new_kv[1])
         h = h + self.post_attention_layernorm(self.self_attn(x, cos, sin, k, v, mask))
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.has_ple:
