@@ -170,6 +170,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefill-chunk", type=int, help="rows per prefill call (default 128, at most the ring)"
     )
+    p.add_argument(
+        "--context-buckets",
+        default="auto",
+        help="cache lengths with their own decode methods that read only that many slots "
+        "(ExecuTorch cpu): comma-separated, 'none', or 'auto' = 512, 2048, ... below "
+        "--max-context",
+    )
     p.add_argument("--out", required=True, type=Path, help="bundle folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
 
@@ -541,6 +548,22 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def context_buckets(text: str, args: argparse.Namespace) -> tuple[int, ...]:
+    from edgemtp.export.static import auto_context_buckets
+
+    if text == "none":
+        return ()
+    if text == "auto":
+        cpu = (args.backend, args.delegate) == ("executorch", "cpu")
+        return auto_context_buckets(args.max_context) if cpu else ()
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise EdgeMTPError(
+            f"--context-buckets {text!r}: give token counts like 512,2048, 'auto' or 'none'"
+        ) from None
+
+
 def run_export(args: argparse.Namespace) -> int:
     import torch
 
@@ -565,7 +588,11 @@ def run_export(args: argparse.Namespace) -> int:
             f"--prefill-chunk {chunk} exceeds the smallest cache ({smallest} slots: sliding "
             f"window {cfg.sliding_window} + draft depth {args.draft_depth} + 1); use <= {smallest}"
         )
-    shapes = StaticShapes(args.max_context, args.draft_depth, chunk)
+    buckets = context_buckets(args.context_buckets, args)
+    try:
+        shapes = StaticShapes(args.max_context, args.draft_depth, chunk, buckets)
+    except ValueError as e:
+        raise EdgeMTPError(f"--context-buckets: {e}") from None
     signal.signal(signal.SIGTERM, _interrupt)  # a killed export cleans up like Ctrl-C does
     t0 = time.perf_counter()
 

@@ -43,7 +43,7 @@ def method_inputs(signature: dict) -> tuple[torch.Tensor, ...]:
 
 
 def decode_methods(manifest: dict, prefill: bool) -> dict[str, tuple[torch.Tensor, ...]]:
-    names = [n for n in manifest["methods"] if n.startswith("verify_") or n == "draft_step"]
+    names = [n for n in manifest["methods"] if n.startswith(("verify_", "draft_step"))]
     if prefill:
         names.append("prefill_final")
     return {n: method_inputs(manifest["methods"][n]) for n in sorted(names)}

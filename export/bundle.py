@@ -32,7 +32,7 @@ import torch
 
 from edgemtp import __version__
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.static import StaticBundle, StaticShapes
+from edgemtp.export.static import StaticBundle, StaticShapes, method_kind
 from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.model.config import TextConfig
 from edgemtp.model.gemma4 import Rows, TokenTables
@@ -214,8 +214,9 @@ def method_signatures(static: StaticBundle) -> dict[str, Any]:
         for name, (module, inputs) in static.methods().items():
             result = module(*inputs)
             result = result if isinstance(result, tuple) else (result,)
-            in_names = _INPUT_NAMES.get(name, _INPUT_NAMES["default"])
-            out_names = _OUTPUT_NAMES["verify" if name.startswith("verify_") else name]
+            kind = method_kind(name)
+            in_names = _INPUT_NAMES.get(kind, _INPUT_NAMES["default"])
+            out_names = _OUTPUT_NAMES[kind]
             out[name] = {
                 "inputs": [{"name": n, **_spec(t)} for n, t in zip(in_names, inputs, strict=True)],
                 "outputs": [
@@ -419,6 +420,11 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
     from edgemtp.model.checkpoint import load_drafter, load_target
 
     check_pair(req.backend, req.delegate)
+    if req.shapes.context_buckets and (req.backend, req.delegate) != ("executorch", "cpu"):
+        raise EdgeMTPError(
+            f"context buckets are an ExecuTorch cpu (XNNPACK) option, not {req.backend}/"
+            f"{req.delegate}: drop --context-buckets or pass --context-buckets none"
+        )
     if req.backend == "executorch" and req.delegate == "htp":
         from edgemtp.export.executorch import qnn_sdk
 

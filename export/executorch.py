@@ -45,7 +45,7 @@ from edgemtp.export.lower import (
     static_partitioner,
     xnnpack_partitioner,
 )
-from edgemtp.export.static import StaticBundle
+from edgemtp.export.static import StaticBundle, method_kind
 from edgemtp.export.weights import Int4Weight, int4_of
 from edgemtp.model.gemma4 import ClusteredHead
 
@@ -366,8 +366,8 @@ def method_io(programs: dict[str, Any]) -> dict[str, Any]:
     for method, program in programs.items():
         sig = program.graph_signature
         nodes = {n.name: n for n in program.graph.nodes}
-        names = OUTPUT_NAMES.get(method.rstrip("0123456789").rstrip("_"), [])
-        inputs = INPUT_NAMES.get(method, TARGET_INPUTS)
+        names = OUTPUT_NAMES.get(method_kind(method), [])
+        inputs = INPUT_NAMES.get(method_kind(method), TARGET_INPUTS)
         outputs = [str(n) for n in sig.user_outputs]
         out[method] = {
             "inputs": [

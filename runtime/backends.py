@@ -255,7 +255,7 @@ class StaticBackend:
     def _call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
         self.calls[method] = self.calls.get(method, 0) + 1
         before = getattr(self.runner, "bytes_copied", 0)
-        with self.meter.phase("drafter" if method == "draft_step" else "target"):
+        with self.meter.phase("drafter" if method.startswith("draft_step") else "target"):
             out = self.runner.call(method, *inputs)
         copied = getattr(self.runner, "bytes_copied", 0) - before
         self.meter.bytes_moved += tensor_bytes(*inputs, *out) + copied
@@ -275,6 +275,8 @@ class StaticBackend:
         pad = rows - ids.shape[0]
         embeds, ple = self._rows(ids)
         end = position + ids.shape[0]
+        if pad == 0:  # every AR step
+            return embeds, ple, torch.arange(position, end)
         positions = torch.cat([torch.full((pad,), end), torch.arange(position, end)])
         embeds = torch.cat([embeds.new_zeros(pad, embeds.shape[1]), embeds])
         ple = torch.cat([ple.new_zeros(pad, *ple.shape[1:]), ple])
@@ -306,9 +308,11 @@ class StaticBackend:
 
     def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]:
         """Logits and hidden states of `ids` at `position`.., through the smallest verify
-        method that fits, left-padded like `prefill` (pad rows are written to the trash slot)."""
-        self._check_fits(position + len(ids))
-        method, pad = self.shapes.verify_method(len(ids) - 1)
+        method that fits (rows and context bucket), left-padded like `prefill` (pad rows are
+        written to the trash slot)."""
+        end = position + len(ids)
+        self._check_fits(end)
+        method, pad = self.shapes.verify_method(len(ids) - 1, end)
         logits, hidden = self._call(
             method, *self._padded(torch.tensor(ids), position, len(ids) + pad)
         )
@@ -320,7 +324,8 @@ class StaticBackend:
     ) -> tuple[Tensor, Tensor, Tensor]:
         with self.meter.phase("embed"):
             embed = self.tables.embed(torch.tensor([token]))[0]
-        return self._call("draft_step", embed, hidden, torch.tensor([position]))  # type: ignore[return-value]
+        method = self.shapes.draft_method(position)
+        return self._call(method, embed, hidden, torch.tensor([position]))  # type: ignore[return-value]
 
     def truncate(self, length: int) -> bool:
         return self.rings.truncated(length)

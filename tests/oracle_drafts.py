@@ -39,3 +39,23 @@ class OracleDrafts(StaticBackend):
         t = self.ar[j + 1 + i] if j + 1 + i < len(self.ar) else 0
         t = (t + 1) % 512 if self.corrupt and (j + i) % 3 == 0 else t
         return hidden, torch.tensor([t]), torch.zeros(1)
+
+
+class WholeCacheCheck:
+    """A runner that runs every context-bucketed call through the whole-cache method as well
+    (same positions: the same K/V written twice) and keeps the largest difference of their
+    outputs, relative to the largest output."""
+
+    def __init__(self, runner):
+        self.runner, self.shapes, self.methods = runner, runner.shapes, runner.methods
+        self.worst = 0.0
+
+    def call(self, method: str, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if "_ctx" not in method:
+            return self.runner.call(method, *inputs)
+        whole = self.runner.call(method.split("_ctx")[0], *inputs)
+        got = self.runner.call(method, *inputs)
+        for a, b in zip(whole, got, strict=True):
+            scale = max(a.float().abs().max().item(), 1e-6)
+            self.worst = max(self.worst, (a.float() - b.float()).abs().max().item() / scale)
+        return got

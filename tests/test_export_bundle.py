@@ -107,6 +107,21 @@ def test_impossible_delegate(tiny, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (("--backend", "onnx", "--context-buckets", "32"), "an ExecuTorch cpu (XNNPACK) option"),
+        (("--backend", "executorch", "--context-buckets", "1k"), "give token counts like"),
+        (("--backend", "executorch", "--context-buckets", "4096"), "between the draft depth"),
+    ],
+)
+def test_bad_context_buckets(tiny, tmp_path, capsys, flags, expected):
+    out = tmp_path / "bundle"
+    line = _export_error(capsys, "--model", tiny["target"], *flags, "--out", out)
+    assert line.startswith("edgemtp export: error: ") and expected in line
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
 def test_missing_qnn_sdk_is_named_before_any_work(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
     out = tmp_path / "bundle"
@@ -207,7 +222,12 @@ def test_bundle_manifest_describes_what_was_written(onnx_bundle, tmp_path):
         if p.is_file() and p.name != "manifest.json"
     }
     assert manifest["quantization"]["scheme"] == "q4_0"
-    assert manifest["shapes"] == {"max_context": 96, "max_draft": 2, "chunk": 8}
+    assert manifest["shapes"] == {
+        "max_context": 96,
+        "max_draft": 2,
+        "chunk": 8,
+        "context_buckets": [],
+    }
     roles = [layer["kv"] for layer in manifest["model"]["layers"]]
     assert roles == ["owns"] * 3 + ["stores"] * 2 + ["reuses"] * 5  # tiny: 5 KV-shared layers
     assert manifest["cache"]["kinds"]["sliding"] == {"slots": 19, "ring": True, "trash_slot": 19}

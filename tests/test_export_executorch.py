@@ -23,7 +23,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from oracle_drafts import OracleDrafts, greedy
+from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.driver import ExecuTorchRunner
@@ -381,6 +381,28 @@ def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     assert sum(details["int4_linears"].values()) == sum(int4_of(m) is not None for m in modules) - 1
     assert "8da4w" in result.numerics["weights"] and "exact" in result.numerics["weights"]
     assert "int8" in result.numerics["activations"]
+
+
+def test_context_bucket_methods_read_the_live_cache(checkpoints, tmp_path):
+    """An fp32 program with a 24-slot context bucket: its bucketed verify slices the shared
+    cache buffer in the program (a stale or copied buffer would read zeros); every bucketed
+    call returns what the whole-cache method returns on the same cache, and the tokens are
+    the reference engine's."""
+    target, _ = _load(checkpoints, "none")
+    shapes = StaticShapes(64, 0, 8, (24,))
+    result = lower_executorch(
+        StaticBundle.build(target.model, None, shapes), "cpu", tmp_path, lambda _: None
+    )
+    delegation = result.details["delegation"]
+    bucketed, whole = (delegation[m]["portable_ops"] for m in ("verify_0_ctx24", "verify_0"))
+    extra = {op: n - whole.get(op, 0) for op, n in bucketed.items() if n != whole.get(op, 0)}
+    assert extra == {"aten.slice_copy.Tensor": 1}  # the full cache's positions; K/V delegated
+    reference, _ = _load(checkpoints, "none")
+    runner = WholeCacheCheck(ExecuTorchRunner(tmp_path / result.program, shapes))
+    got = greedy(StaticBackend(runner, reference.tables, reference.cfg), _prompt(), N_NEW, 0)
+    assert got.calls["verify_0_ctx24"] == 3 and got.calls["verify_0"] == N_NEW - 4
+    assert runner.worst < 1e-5
+    assert got.tokens == generate(reference, _prompt(), N_NEW, prefill_chunk=8).tokens
 
 
 @slow

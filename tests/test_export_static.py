@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle_drafts import OracleDrafts, greedy
+from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 
 from edgemtp.export.driver import EagerRunner
 from edgemtp.export.lower import export_methods, ops_per_layer
-from edgemtp.export.static import StaticBundle, StaticShapes
+from edgemtp.export.static import StaticBundle, StaticShapes, auto_context_buckets
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.synth import write_preset
 from edgemtp.runtime.backends import StaticBackend, prefill
@@ -108,3 +108,52 @@ def test_intermediate_prefill_has_no_shared_layer_ops(static):
     assert sorted(inter) == list(owned)
     assert all(inter[i] == final[i] for i in owned)
     assert all(final[i] > 0 for i in range(cfg.first_shared_layer, cfg.num_layers))
+
+
+BUCKETED = StaticShapes(max_context=96, max_draft=2, chunk=8, context_buckets=(12, 48))
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["drafter", "rollback"])
+def test_context_buckets_decode_like_the_whole_cache(paths, reference, oracle):
+    """Bucketed methods read only the first 12 / 48 slots (tiny's sliding ring holds more than
+    12), yet every bucketed call, decoding past both buckets with drafts accepted and rolled
+    back across their edges, returns what the whole-cache method returns, and the tokens are
+    the reference's."""
+    ref_target, ref_drafter = reference
+    prompt = _prompt(5)
+    ar = generate(ref_target, prompt, 70).tokens
+    ref = generate(ref_target, prompt, 70, drafter=ref_drafter, mtp_depth=2, prefill_chunk=8)
+    target, drafter = _load(paths)
+    bundle = StaticBundle.build(target.model, drafter.model, BUCKETED)
+    assert min(bundle.cache.slots.values()) > 12
+    runner = WholeCacheCheck(EagerRunner(bundle))
+    if oracle:
+        backend = OracleDrafts(runner, target.tables, target.cfg, ar_tokens=ar, prompt_len=5)
+    else:
+        backend = StaticBackend(runner, target.tables, target.cfg)
+    got = greedy(backend, prompt, 70, depth=2)
+    assert got.tokens == (ar if oracle else ref.tokens)
+    assert runner.worst < 1e-5
+    verify = {m for m in got.calls if m.startswith("verify_")}
+    assert {"verify_2_ctx12", "verify_2_ctx48", "verify_2"} <= verify
+    if not oracle:
+        assert {"draft_step_ctx12", "draft_step_ctx48", "draft_step"} <= set(got.calls)
+
+
+def test_context_buckets_must_fit_between_depth_and_context():
+    with pytest.raises(ValueError, match="between the draft depth"):
+        StaticShapes(96, 2, 8, (2,))
+    with pytest.raises(ValueError, match="between the draft depth"):
+        StaticShapes(96, 2, 8, (96,))
+    shapes = StaticShapes(96, 2, 8, [48, 12, 48])  # as a manifest's JSON gives them
+    assert shapes.context_buckets == (12, 48)
+    assert shapes.verify_method(1, end=12) == ("verify_2_ctx12", 1)
+    assert shapes.verify_method(0, end=13) == ("verify_0_ctx48", 0)
+    assert shapes.verify_method(2, end=49) == ("verify_2", 0)
+    assert shapes.draft_method(48) == "draft_step_ctx48"
+    assert [auto_context_buckets(n) for n in (1024, 2048, 4096, 32768)] == [
+        (),
+        (512,),
+        (512, 2048),
+        (512, 2048, 8192),
+    ]
