@@ -119,11 +119,24 @@ def unpack_q4_0(raw: bytes | np.ndarray, shape: tuple[int, ...], name: str = "te
             f"{name}: {buf.size} bytes do not hold a Q4_0 tensor of shape {shape} "
             f"({rows * n * BLOCK_BYTES} bytes); pass the tensor's own shape in numpy order"
         )
-    blocks = buf.reshape(rows, n, BLOCK_BYTES)
-    scales = blocks[..., :2].copy().view("<f2").astype(np.float16).reshape(rows, n)
-    qs = blocks[..., 2:]
-    codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1).reshape(rows, cols)
+    scales, codes = split_q4_0_blocks(buf.reshape(rows, n, BLOCK_BYTES))
+    codes = codes.reshape(rows, cols)
     return Q4_0(scales=torch.from_numpy(scales), codes=torch.from_numpy(codes), shape=shape)
+
+
+def split_q4_0_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGML Q4_0 blocks `[..., n, 18]` -> (fp16 scales `[..., n]`, codes uint8 `[..., n, 32]`)."""
+    scales = blocks[..., :2].copy().view("<f2").astype(np.float16)[..., 0]
+    qs = blocks[..., 2:]
+    return scales, np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def dequantize_q4_0_rows(rows: np.ndarray, cols: int) -> np.ndarray:
+    """Float32 rows `[T, cols]` of the Q4_0 byte rows `[T, cols // 32 * 18]`, in numpy: the
+    values of `dequantize_q4_0`, at a third of its cost for the one row a decode step needs."""
+    scales, codes = split_q4_0_blocks(rows.reshape(rows.shape[0], cols // BLOCK, BLOCK_BYTES))
+    w = (codes.astype(np.float32) - np.float32(8)) * scales.astype(np.float32)[..., None]
+    return w.reshape(rows.shape[0], cols)
 
 
 def q4_0_as_int4_groups(q: Q4_0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from edgemtp.quantize.q4_0 import BLOCK, BLOCK_BYTES, dequantize_q4_0, unpack_q4_0
+from edgemtp.quantize.q4_0 import BLOCK, BLOCK_BYTES, dequantize_q4_0_rows
 
 
 class Q4_0Rows:
@@ -28,7 +28,7 @@ class Q4_0Rows:
         rows = np.asarray(
             self.raw[ids.numpy()] if isinstance(self.raw, np.ndarray) else self.raw[ids]
         )
-        return dequantize_q4_0(unpack_q4_0(rows, (len(ids), self.shape[1])))
+        return torch.from_numpy(dequantize_q4_0_rows(rows, self.shape[1]))
 
 
 class Int8Rows:

@@ -24,6 +24,7 @@ from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.runtime.backends import PREFILL_CHUNK, Backend, ReferenceBackend
 from edgemtp.runtime.sampling import (
     SamplingParams,
+    argmax_rows,
     greedy_accept,
     make_generator,
     probabilities,
@@ -156,7 +157,7 @@ class _Clock:
 
 def _choose(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> int:
     if params.greedy:
-        return int(logits.argmax())
+        return argmax_rows(logits)[0]
     return int(sample(probabilities(logits, params), gen))
 
 
@@ -182,7 +183,8 @@ def draft(
         hidden, ids, logits = backend.draft_step(token, hidden, position)
         t0 = time.perf_counter()
         if params.greedy:
-            token = int(ids[logits.argmax()]) if ids is not None else int(logits.argmax())
+            best = argmax_rows(logits)[0]
+            token = int(ids[best]) if ids is not None else best
         else:
             local = probabilities(logits, params)
             q = torch.zeros(vocab).index_copy_(0, ids, local) if ids is not None else local

@@ -123,6 +123,13 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def argmax_rows(logits: Tensor) -> list[int]:
+    """Argmax of each row (first index on ties), as torch's. Through numpy: torch's CPU argmax
+    takes 72 us on one 32768-logit row here, numpy's 4 us; a decode step is a few ms."""
+    rows = logits.detach().reshape(-1, logits.shape[-1]).float().numpy()
+    return rows.argmax(axis=-1).tolist()
+
+
 def greedy_accept(target_logits: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
     """Verify greedy drafts: (n_accepted, next_token).
 
@@ -133,7 +140,7 @@ def greedy_accept(target_logits: Tensor, draft_tokens: Tensor) -> tuple[int, int
     """
     k = draft_tokens.shape[0]
     _check_rows(target_logits, k + 1, "target_logits")
-    choices = target_logits.argmax(dim=-1).tolist()
+    choices = argmax_rows(target_logits)
     drafts = draft_tokens.tolist()
     n = 0
     while n < k and drafts[n] == choices[n]:

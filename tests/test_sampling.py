@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from edgemtp.errors import EdgeMTPError
 from edgemtp.runtime.sampling import (
     SamplingParams,
+    argmax_rows,
     greedy_accept,
     make_generator,
     probabilities,
@@ -420,3 +421,17 @@ def test_statistical_check_catches_wrong_acceptance(wrong: Accept) -> None:
     tokens, _ = _simulate(wrong, k=3, trials=1500, seed=1)
     assert _first_token_pvalue(tokens, 3) < POWER
     assert _first_two_tokens_pvalue(tokens, 3) < POWER
+
+
+@given(
+    st.integers(1, 5),
+    st.integers(1, 300),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+@SETTINGS
+def test_argmax_rows_is_torchs_argmax_ties_included(rows, vocab, seed, dtype) -> None:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (rows, vocab), generator=g).to(dtype)  # many ties
+    assert argmax_rows(logits) == logits.float().argmax(-1).tolist()
+    assert argmax_rows(logits[0]) == [int(logits[0].float().argmax())]
