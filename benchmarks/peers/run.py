@@ -1,7 +1,7 @@
 """edgemtp against its peers on one checkpoint, on this machine, in one run.
 
     python benchmarks/peers/run.py [--work DIR] [--repeats 5] [--threads 2]
-        [--systems llama.cpp edgemtp]
+        [--systems llama.cpp edgemtp executorch-example transformers]
 
 From a fresh clone (the venv of the README's test command):
 1. `edgemtp synth --preset peer-90m` (BRIEF §10's "PEER-90M", random weights, bf16), with a
@@ -12,14 +12,19 @@ From a fresh clone (the venv of the README's test command):
    `-march=native` build died here with SIGILL on an AMX instruction), the checkpoint converted
    with its own `convert_hf_to_gguf.py` (f32) and quantized by its `llama-quantize --pure` to Q4_0;
 3. edgemtp: `edgemtp export --model <that Q4_0 GGUF> --backend executorch --delegate cpu`
-   (the very blocks llama.cpp runs, not re-quantized), max context 4096, prefill chunk 128.
+   (the very blocks llama.cpp runs, not re-quantized), max context 4096, prefill chunk 128;
+4. ExecuTorch's own exporter, `examples/models/gemma4/export_gemma4.py` from the `executorch`
+   wheel, on the bf16 checkpoint (its default 8da4w+emb8, group 32, max_seq_len 4096), driven
+   as its `run_gemma4.py` drives it: one `text_decoder` call per prefill and per token;
+5. transformers' Gemma 4 on the bf16 checkpoint loaded in fp32, eager, KV cache kept.
 
 Measured per system, every repeat in fresh processes, systems interleaved, medians reported:
 pp512 and pp2048 (prefill tok/s from an empty context), tg128 (decode tok/s of 128 tokens after
 one), and decode ms/token at context positions 16, 512 and 1800 (32 tokens decoded after a
 prompt of that length). llama.cpp through `llama-bench -r 1` (`-p 512,2048 -n 128`, then
 `-p 0 -n 32 -d 16,512,1800`); edgemtp through `Session.from_bundle` (greedy AR, no stop
-tokens), decode tok/s = (n_out - 1) / (t_end - t_first) as everywhere in edgemtp. Each step of
+tokens), the ExecuTorch example and transformers token by token from Python (argmax on the
+host); decode tok/s = (n_out - 1) / (t_end - t_first) as everywhere in edgemtp. Each step of
 the setup is cached in `--work` and reused. Writes benchmarks/results/peers.{json,md,png}.
 """
 
@@ -101,6 +106,16 @@ def gemma_style_tokenizer(folder: Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config | {"unk_token": "<unk>"}))
 
 
+def source_commit() -> str:
+    """The edgemtp commit these sources are (with `+dirty` for uncommitted changes)."""
+    root = BENCHMARKS.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True)
+    dirty = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--", "*.py"], capture_output=True
+    )
+    return head.stdout.decode().strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def setup(work: Path, threads: int) -> dict[str, Path]:
     """Checkpoint, llama.cpp build, GGUF files and the edgemtp bundle, each made once."""
     python, edgemtp = sys.executable, str(Path(sys.executable).parent / "edgemtp")
@@ -140,11 +155,37 @@ def setup(work: Path, threads: int) -> dict[str, Path]:
         run([str(quantize), "--pure", str(f32), str(q4), "Q4_0", str(threads)])
 
     bundle = work / "edgemtp-q4_0-executorch"
-    if not (bundle / "manifest.json").is_file():
+    stamp = work / "edgemtp-q4_0-executorch.commit"  # re-exported when the code changes
+    commit = source_commit()
+    fresh = stamp.is_file() and stamp.read_text() == commit
+    if not (bundle / "manifest.json").is_file() or not fresh:
         run([edgemtp, "export", "--model", str(q4), "--quant", "auto", "--backend", "executorch",
              "--delegate", "cpu", "--max-context", "4096", "--prefill-chunk", "128",
              "--out", str(bundle), "--force"], stream=True)  # fmt: skip
+        stamp.write_text(commit)
     return {"checkpoint": ckpt, "llama_bench": bench, "gguf": q4, "bundle": bundle}
+
+
+def setup_executorch_example(work: Path, ckpt: Path) -> Path:
+    """ExecuTorch's own exporter (`examples/models/gemma4` of the wheel, as shipped) on the same
+    checkpoint: its default 8da4w+emb8, group 32, XNNPACK, max_seq_len 4096. It quantizes the
+    bf16 weights itself (it reads no GGUF). The checkpoint is renamed to its multimodal tensor
+    names and its config flattened, as in `benchmarks/export_e2b.py` (whose shim is reused)."""
+    from export_e2b import ET_SHIM, convert_for_executorch
+
+    pte = work / "executorch-example" / "gemma4_text.pte"
+    if pte.is_file():
+        return pte
+    converted = work / "peer-90m-executorch-names"
+    convert_for_executorch(ckpt, converted)
+    pte.parent.mkdir(parents=True, exist_ok=True)
+    partial = pte.with_suffix(".partial")
+    run([sys.executable, "-c", ET_SHIM, str(converted / "config.json"),
+         "--checkpoint_path", str(converted), "--output_path", str(partial),
+         "--max_seq_len", "4096", "--quantize", "8da4w+emb8", "--group_size", "32",
+         "--no-audio", "--no-vision"], stream=True)  # fmt: skip
+    partial.rename(pte)
+    return pte
 
 
 def random_ids(n: int, vocab: int) -> list[int]:
@@ -178,6 +219,82 @@ def edgemtp_child(bundle: Path, threads: int) -> dict[str, Any]:
     return out
 
 
+def timed_loop(prefill: Any, step: Any, vocab: int) -> dict[str, Any]:
+    """The figures of `edgemtp_child` for a system driven token by token from Python:
+    `prefill(ids) -> next token` from an empty context, `step(token, position) -> next token`.
+    Decode tok/s = tokens after the first / their time, as edgemtp's metrics."""
+
+    def decode(prompt: list[int], n: int) -> float:
+        token = prefill(prompt)
+        start = time.perf_counter()
+        for i in range(n):
+            token = step(token, len(prompt) + i)
+        return n / (time.perf_counter() - start)
+
+    decode(random_ids(200, vocab), 16)  # warm-up
+    out: dict[str, Any] = {}
+    for n in PROMPTS:
+        ids = random_ids(n, vocab)
+        start = time.perf_counter()
+        prefill(ids)
+        out[f"pp{n}"] = n / (time.perf_counter() - start)
+    out[f"tg{TG}"] = decode([2], TG)
+    for d in DEPTHS:
+        out[f"ms_at_{d}"] = 1000 / decode(random_ids(d, vocab), DEPTH_TOKENS)
+    return out
+
+
+def executorch_example_child(pte: Path, threads: int) -> dict[str, Any]:
+    """ExecuTorch's example program driven as its own `run_gemma4.py` drives it: one
+    `text_decoder` call per prefill (all rows) and per decode token, argmax on the host."""
+    import torch
+    from executorch.extension.pybindings import portable_lib
+    from executorch.runtime import Runtime
+
+    torch.set_num_threads(threads)
+    portable_lib._unsafe_reset_threadpool(threads)
+    method = Runtime.get().load_program(pte).load_method("text_decoder")
+    config = json.loads((pte.parents[1] / "peer-90m" / "config.json").read_text())
+    hidden = config["hidden_size"]
+
+    def call(ids: list[int], start: int) -> int:
+        logits = method.execute(
+            [
+                torch.tensor([ids]),
+                torch.arange(start, start + len(ids)),
+                torch.zeros(1, len(ids), hidden),
+            ]
+        )[0]
+        return int(logits[0, -1].argmax())
+
+    return timed_loop(lambda ids: call(ids, 0), lambda t, pos: call([t], pos), config["vocab_size"])
+
+
+def transformers_child(ckpt: Path, threads: int) -> dict[str, Any]:
+    """transformers' Gemma 4 on the float checkpoint (fp32 on CPU: its bf16 matmuls are slower
+    here), eager, KV cache kept between calls, argmax on the host."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    state: dict[str, Any] = {}
+
+    @torch.inference_mode()
+    def prefill(ids: list[int]) -> int:
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        state["cache"] = out.cache
+        return int(out.logits[0, -1].argmax())
+
+    @torch.inference_mode()
+    def step(token: int, position: int) -> int:  # the cache knows the position
+        out = model(input_ids=torch.tensor([[token]]), cache=state["cache"], use_cache=True)
+        state["cache"] = out.cache
+        return int(out.logits[0, -1].argmax())
+
+    return timed_loop(prefill, step, model.config.vocab_size)
+
+
 def llama_cpp_once(bench: Path, gguf: Path, threads: int) -> dict[str, Any]:
     common = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
     out: dict[str, Any] = {}
@@ -203,10 +320,18 @@ def measure(paths: dict[str, Path], systems: list[str], repeats: int, threads: i
             if system == "llama.cpp":
                 runs[system].append(llama_cpp_once(paths["llama_bench"], paths["gguf"], threads))
             else:
-                cmd = [sys.executable, __file__, "--child", str(paths["bundle"])]
+                cmd = [sys.executable, __file__, "--child", system, str(paths[CHILD_INPUT[system]])]
                 runs[system].append(json.loads(run([*cmd, "--threads", str(threads)])))
     return runs
 
+
+SYSTEMS = ("llama.cpp", "edgemtp", "executorch-example", "transformers")
+CHILDREN = {
+    "edgemtp": edgemtp_child,
+    "executorch-example": executorch_example_child,
+    "transformers": transformers_child,
+}
+CHILD_INPUT = {"edgemtp": "bundle", "executorch-example": "et_pte", "transformers": "checkpoint"}
 
 KEYS = [f"pp{n}" for n in PROMPTS] + [f"tg{TG}"] + [f"ms_at_{d}" for d in DEPTHS]
 
@@ -279,16 +404,20 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/edgemtp-peers"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--systems", nargs="+", default=["llama.cpp", "edgemtp"])
-    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # an edgemtp run
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # SYSTEM PATH: one run
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(edgemtp_child(args.child, args.threads)))
+        system, path = args.child
+        print(json.dumps(CHILDREN[system](Path(path), args.threads)))
         return
     paths = setup(args.work, args.threads)
+    if "executorch-example" in args.systems:
+        paths["et_pte"] = setup_executorch_example(args.work, paths["checkpoint"])
     runs = measure(paths, args.systems, args.repeats, args.threads)
     result = {
         "command": "python " + " ".join(sys.argv),
+        "edgemtp_commit": source_commit(),
         "date": datetime.date.today().isoformat(),
         "machine": machine(args.threads),
         "threads": args.threads,
