@@ -248,7 +248,9 @@ def executorch_example_child(pte: Path, threads: int) -> dict[str, Any]:
     """ExecuTorch's example program driven as its own `run_gemma4.py` drives it: one
     `text_decoder` call per prefill (all rows) and per decode token, argmax on the host."""
     import torch
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  its custom_sdpa
     from executorch.extension.pybindings import portable_lib
+    from executorch.kernels import quantized  # noqa: F401  its int8 embedding kernels
     from executorch.runtime import Runtime
 
     torch.set_num_threads(threads)
