@@ -366,6 +366,9 @@ def report(result: dict) -> str:
             f"pp2048 {a['pp2048'] / b['pp2048']:.2f}x, tg128 {a['tg128'] / b['tg128']:.2f}x; "
             f"edgemtp decode @1800 / @16: {a['ms_at_1800'] / a['ms_at_16']:.2f}",
         ]
+    if "executorch-example" in med and "edgemtp" in med:
+        ratio = med["edgemtp"]["tg128"] / med["executorch-example"]["tg128"]
+        lines.append(f"\nedgemtp / ExecuTorch's example: tg128 {ratio:.2f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -388,14 +391,14 @@ def plot(result: dict, path: Path) -> None:
             ax.bar(xs, [med[s][k] for k in keys], width, label=s)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys)
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize=7)
     for s in systems:
         axes[2].plot(DEPTHS, [med[s][f"ms_at_{d}"] for d in DEPTHS], "o-", label=s)
     axes[2].set_xlabel("context position")
-    axes[2].set_ylabel("decode ms/token")
-    axes[2].set_ylim(bottom=0)
+    axes[2].set_ylabel("decode ms/token (log)")
+    axes[2].set_yscale("log")
     axes[2].set_title("decode cost by position")
-    axes[2].legend()
+    axes[2].legend(fontsize=7)
     fig.suptitle(f"PEER-90M Q4_0, {result['threads']} threads")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
