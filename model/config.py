@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edgemtp.errors import EdgeMTPError
+from edgemtp.errors import EdgeMTPError, malformed_input
 
 AttentionKind = Literal["sliding", "full"]
 KVRole = Literal["own", "store", "reuse"]
 
+MAX_LAYERS = 1024  # Gemma 4 has at most a few dozen; a larger count is a corrupt file
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 
@@ -170,8 +171,16 @@ def _kv_roles(layer_types: list[str], num_shared: int, where: str) -> list[tuple
     return roles
 
 
+_FIX = "fix config.json or download the model again"
+
+
 def parse_text_config(cfg: dict[str, Any], where: str = "config.json") -> TextConfig:
     """Build a TextConfig from the text part of a Gemma 4 config (`gemma4_text` dict)."""
+    with malformed_input(where, "Gemma 4 text config", _FIX):
+        return _parse_text_config(cfg, where)
+
+
+def _parse_text_config(cfg: dict[str, Any], where: str) -> TextConfig:
     model_type = cfg.get("model_type", "gemma4_text")
     if model_type != "gemma4_text":
         raise EdgeMTPError(f"{where}: model_type '{model_type}' is not a Gemma 4 text decoder")
@@ -183,6 +192,8 @@ def parse_text_config(cfg: dict[str, Any], where: str = "config.json") -> TextCo
     if cfg.get("use_bidirectional_attention"):
         raise EdgeMTPError(f"{where}: bidirectional attention is not supported for decoding")
     num_layers = int(_require(cfg, "num_hidden_layers", where))
+    if not 0 < num_layers <= MAX_LAYERS:
+        raise EdgeMTPError(f"{where}: num_hidden_layers {num_layers} is not in 1..{MAX_LAYERS}")
     hf_types = cfg.get("layer_types") or [
         "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)
     ]
@@ -224,10 +235,10 @@ def parse_text_config(cfg: dict[str, Any], where: str = "config.json") -> TextCo
             intermediate_size=intermediate * (2 if double_wide and role == "reuse" else 1),
             k_eq_v=k_eq_v and kind == "full",
         )
-        if heads % spec.num_kv_heads:
+        if spec.num_kv_heads <= 0 or spec.head_dim <= 0 or heads % spec.num_kv_heads:
             raise EdgeMTPError(
-                f"{where}: layer {i} has {spec.num_kv_heads} KV heads, "
-                f"which does not divide {heads} attention heads"
+                f"{where}: layer {i} has {spec.num_kv_heads} KV heads of dimension "
+                f"{spec.head_dim}: they must be positive and divide {heads} attention heads"
             )
         layers.append(spec)
     for kind in sorted(set(_HF_LAYER_TYPES.values())):
@@ -271,6 +282,12 @@ def parse_text_config(cfg: dict[str, Any], where: str = "config.json") -> TextCo
 
 
 def parse_assistant_config(cfg: dict[str, Any], where: str = "config.json") -> AssistantConfig:
+    """Build an AssistantConfig from a Gemma 4 assistant's config.json dict."""
+    with malformed_input(where, "Gemma 4 assistant config", _FIX):
+        return _parse_assistant_config(cfg, where)
+
+
+def _parse_assistant_config(cfg: dict[str, Any], where: str) -> AssistantConfig:
     text_cfg = dict(_require(cfg, "text_config", where))
     text_cfg.setdefault("model_type", "gemma4_text")
     if not text_cfg.get("num_kv_shared_layers"):

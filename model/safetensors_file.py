@@ -72,7 +72,8 @@ class SafetensorsFile:
         bad = f"{self.path}: corrupt safetensors entry '{name}'"
         if not isinstance(info, dict):
             raise EdgeMTPError(bad)
-        dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        name_of_dtype = info.get("dtype")
+        dtype = DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
         if dtype is None:
             raise EdgeMTPError(f"{bad}: unsupported dtype {info.get('dtype')!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")

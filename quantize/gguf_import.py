@@ -24,7 +24,9 @@ refused, since the two would compute different models.
 from __future__ import annotations
 
 import math
+import mmap
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -504,9 +506,84 @@ class GGUFSource(TensorSource):
                 )
 
 
+# GGUF value types: fixed sizes of the scalars; 8 = string, 9 = array (GGUF spec, v2 and v3)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def check_gguf_layout(buf: bytes | mmap.mmap, where: Path) -> None:
+    """Walk a GGUF header (key-values and tensor infos) with every count and length checked
+    against the bytes left, before gguf-py reads it: its reader trusts counts, so one bit flipped
+    in an array length makes it loop for minutes or allocate gigabytes."""
+    size, pos = len(buf), 0
+
+    def fail(what: str) -> EdgeMTPError:
+        return EdgeMTPError(
+            f"{where}: not a readable GGUF file, or truncated ({what} at byte {pos} of "
+            f"{size}); download or convert it again"
+        )
+
+    def take(fmt: str, what: str) -> int:
+        nonlocal pos
+        n = struct.calcsize(fmt)
+        if pos + n > size:
+            raise fail(f"{what} past the end")
+        (value,) = struct.unpack_from(fmt, buf, pos)
+        pos += n
+        return value
+
+    def skip(n: int, what: str) -> None:
+        nonlocal pos
+        if n > size - pos:
+            raise fail(f"{what} of {n} bytes past the end")
+        pos += n
+
+    def value(vtype: int, depth: int = 0) -> None:
+        if vtype in _SCALAR_BYTES:
+            skip(_SCALAR_BYTES[vtype], "value")
+        elif vtype == _STRING:
+            skip(take("<Q", "string length"), "string")
+        elif vtype == _ARRAY and depth < 2:
+            item, count = take("<I", "array type"), take("<Q", "array length")
+            least = _SCALAR_BYTES.get(item, 8 if item == _STRING else 12)
+            if count * least > size - pos:
+                raise fail(f"array of {count} items")
+            if item in _SCALAR_BYTES:
+                skip(count * least, "array")
+            else:
+                for _ in range(count):
+                    value(item, depth + 1)
+        else:
+            raise fail(f"value type {vtype}")
+
+    if take("<I", "magic") != 0x46554747:  # b"GGUF"
+        raise fail("no GGUF magic")
+    version = take("<I", "version")
+    if version not in (2, 3):
+        raise fail(f"version {version}, not 2 or 3")
+    tensors, entries = take("<Q", "tensor count"), take("<Q", "key-value count")
+    if entries * 12 + tensors * 24 > size - pos:
+        raise fail(f"{entries} key-values and {tensors} tensors declared")
+    for _ in range(entries):
+        skip(take("<Q", "key length"), "key")
+        value(take("<I", "value type"))
+    for _ in range(tensors):
+        skip(take("<Q", "tensor name length"), "tensor name")
+        dims = take("<I", "tensor rank")
+        if not 0 < dims <= _MAX_DIMS:
+            raise fail(f"tensor rank {dims}")
+        skip(8 * dims + 4 + 8, "tensor info")
+
+
 def _open(path: Path) -> GGUFReader:
     if not path.is_file():
         raise EdgeMTPError(f"{path}: no such file; pass a .gguf file or a Hugging Face folder")
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            check_gguf_layout(buf, path)
+    except ValueError:  # mmap of an empty file
+        raise EdgeMTPError(f"{path}: not a readable GGUF file, or truncated (empty)") from None
     try:
         # copy-on-write mapping: writable arrays for torch.from_numpy, the file is never written
         return GGUFReader(path, "c")
