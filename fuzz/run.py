@@ -2,10 +2,12 @@
 
     python fuzz/run.py [TARGET ...] [--seconds 600] [--work DIR] [--out fuzz/results.json]
 
-Targets (`fuzz/targets.py`): safetensors, gguf, config. Each runs in its own process for
-`--seconds`, starting from a corpus seeded with files edgemtp and the tests build (a safetensors
-file of every dtype, the tiny/e2b presets' target and assistant configs, a tiny Gemma 4 GGUF
-written like the GGUF tests write theirs) and kept in `--work/<target>/corpus` between runs.
+Targets (`fuzz/targets.py`): safetensors, gguf, config, quantization_config, shard_index,
+tokenizer. Each runs in its own process for `--seconds`, starting from a corpus seeded with
+files edgemtp and the tests build (a safetensors file of four dtypes, the tiny/e2b presets'
+target and assistant configs, a tiny Gemma 4 GGUF written like the GGUF tests write theirs, our
+compressed-tensors W4A16 configs, a shard index, a small BPE tokenizer.json) and kept in
+`--work/<target>/corpus` between runs.
 libFuzzer stops at the first finding and saves it as `crash-*`, `timeout-*` (an input that took
 over 10 s) or `oom-*` (over 2 GiB resident) under `--work/<target>/`. Prints and writes one
 record per target: executions, seconds, corpus size, crashes, hangs, out-of-memory.
@@ -25,8 +27,9 @@ from typing import Any
 
 FUZZ = Path(__file__).resolve().parent
 ROOT = FUZZ.parent
-TARGETS = ("safetensors", "gguf", "config")
+TARGETS = ("safetensors", "gguf", "config", "quantization_config", "shard_index", "tokenizer")
 TIMEOUT_S = 10
+SHARD = "model-00001-of-00001.safetensors"  # the one shard the shard_index target holds
 RSS_LIMIT_MB = 2048
 
 
@@ -54,6 +57,27 @@ def seed(target: str, corpus: Path) -> None:
         for preset in ("tiny", "tiny-assistant", "e2b", "e2b-assistant"):
             text = json.dumps(preset_config(preset), indent=1).encode()
             (corpus / preset).write_bytes(text)
+    elif target == "quantization_config":
+        from edgemtp.quantize.checkpoint import Settings, compressed_tensors_config
+
+        for name, settings in (
+            ("w4a16", Settings("w4a16")),
+            ("asym", Settings("w4a16", 64, False)),
+        ):
+            text = json.dumps({"quantization_config": compressed_tensors_config(settings, [])})
+            (corpus / name).write_text(text)
+    elif target == "shard_index":
+        index = {"metadata": {"total_size": 11}, "weight_map": {"a": SHARD, "b": SHARD}}
+        (corpus / "two").write_text(json.dumps(index))
+    elif target == "tokenizer":
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        words = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=words)
+        tok.train_from_iterator(["Hello world, a small corpus.", "user model turn"], trainer)
+        (corpus / "bpe").write_text(tok.to_str())
     else:
         sys.path.insert(0, str(ROOT / "tests"))
         from test_gguf_import import BASE, build_hf, write_gguf

@@ -8,15 +8,21 @@ dir) because the readers take paths and memory-map them, as they do with real ch
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from edgemtp.errors import EdgeMTPError
+from edgemtp.model.checkpoint import TensorSource
 from edgemtp.model.config import parse_assistant_config, parse_text_config, read_config_json
 from edgemtp.model.safetensors_file import SafetensorsFile
 from edgemtp.quantize.gguf_import import GGUFSource
+from edgemtp.quantize.w4a16 import parse_quantization_config
+from edgemtp.runtime.tokenizer import load_tokenizer
 
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 _ROOT = Path(tempfile.mkdtemp(prefix="edgemtp-fuzz-", dir=_SHM))
@@ -58,10 +64,54 @@ def config(data: bytes) -> None:
             pass
 
 
+def _json(data: bytes) -> object:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # not JSON at all: the readers' own first check
+        raise EdgeMTPError("not JSON") from None
+
+
+def quantization_config(data: bytes) -> None:
+    """A compressed-tensors `quantization_config` (a W4A16 checkpoint's config.json)."""
+    raw = _json(data)
+    if isinstance(raw, dict):
+        parse_quantization_config(raw)
+
+
+def shard_index(data: bytes) -> None:
+    """A `model.safetensors.index.json` beside one small shard: names, shard paths (which must
+    stay inside the folder), the shard files they open."""
+    folder = _ROOT / "sharded"
+    if not folder.is_dir():
+        from safetensors.torch import save_file
+
+        folder.mkdir()
+        save_file({"a": torch.ones(2), "b": torch.zeros(3, dtype=torch.int8)}, folder / SHARD)
+    (folder / "model.safetensors.index.json").write_bytes(data)
+    source = TensorSource(folder, {})
+    for name in source.names():
+        source.raw(name)
+
+
+def tokenizer(data: bytes) -> None:
+    """A `tokenizer.json`: loaded, then a prompt encoded (plain and as a chat turn) and decoded."""
+    folder = _ROOT / "tokenizer"
+    folder.mkdir(exist_ok=True)
+    (folder / "tokenizer.json").write_bytes(data)
+    loaded = load_tokenizer(folder)
+    if loaded is not None:
+        for chat in (False, True):
+            loaded.decode(loaded.encode_prompt("Hello, wörld 12 ", chat=chat))
+
+
+SHARD = "model-00001-of-00001.safetensors"
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "safetensors": safetensors,
     "gguf": gguf,
     "config": config,
+    "quantization_config": quantization_config,
+    "shard_index": shard_index,
+    "tokenizer": tokenizer,
 }
 
 

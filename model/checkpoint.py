@@ -73,11 +73,17 @@ class TensorSource:
         files: dict[str, SafetensorsFile] = {}
         where: dict[str, SafetensorsFile] = {}
         for name, shard in weight_map.items():
-            shard_path = (self.path / str(shard)).resolve()
+            if not isinstance(shard, str):
+                raise EdgeMTPError(f"{index}: tensor '{name}' maps to {shard!r}, not a file name")
+            try:
+                shard_path = (self.path / shard).resolve()
+                found = shard_path.is_file()
+            except (OSError, ValueError):  # a name too long, or with a NUL byte
+                raise EdgeMTPError(f"{index}: shard {shard[:80]!r} is not a file name") from None
             if shard_path.parent != self.path.resolve():
                 raise EdgeMTPError(f"{index}: shard '{shard}' is outside the model folder")
             if shard not in files:
-                if not shard_path.is_file():
+                if not found:
                     raise EdgeMTPError(f"{index}: shard '{shard}' is missing from {self.path}")
                 files[shard] = SafetensorsFile(shard_path)
             if name not in files[shard].keys():

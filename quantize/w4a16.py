@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from edgemtp.errors import EdgeMTPError
+from edgemtp.errors import EdgeMTPError, malformed_input
 
 FORMAT = "pack-quantized"
 QMIN, QMAX = -8, 7  # compressed-tensors' signed int4 range; packed nibbles hold q + 8
@@ -269,6 +269,13 @@ def parse_quantization_config(config: Mapping[str, Any]) -> PackQuantizedConfig:
     Only compressed-tensors "pack-quantized" W4A16 is supported: 4-bit int weights, group
     strategy, no activation, KV-cache or output quantization, no sparsity or transforms.
     """
+    with malformed_input(
+        "config.json", "compressed-tensors quantization_config", "fix it or download it again"
+    ):
+        return _parse_quantization_config(config)
+
+
+def _parse_quantization_config(config: Mapping[str, Any]) -> PackQuantizedConfig:
     qc = config.get("quantization_config", config)
     method = qc.get("quant_method", "compressed-tensors")
     if method != "compressed-tensors":

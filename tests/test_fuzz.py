@@ -111,7 +111,7 @@ def test_safetensors_headers_with_random_entries_raise_only_edgemtp_errors(heade
     targets.check("safetensors", struct.pack("<Q", len(raw)) + raw + data)
 
 
-@pytest.mark.parametrize("target", ["safetensors", "gguf", "config"])
+@pytest.mark.parametrize("target", list(targets.TARGETS))
 def test_bounded_coverage_guided_run_finds_nothing(target, tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "fuzz" / "run.py"), target, "--seconds", "40",
