@@ -8,7 +8,6 @@ dir) because the readers take paths and memory-map them, as they do with real ch
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -28,10 +27,17 @@ _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 _ROOT = Path(tempfile.mkdtemp(prefix="edgemtp-fuzz-", dir=_SHM))
 
 
-def _file(name: str, data: bytes) -> Path:
-    path = _ROOT / name
+def _file(name: str, data: bytes, folder: str = "") -> Path:
+    """Write `data` as `name` (in a sub-folder `folder`, made once) of the fuzzing folder."""
+    (_ROOT / folder).mkdir(exist_ok=True)
+    path = _ROOT / folder / name
     path.write_bytes(data)
     return path
+
+
+def _config_json(data: bytes) -> dict:
+    """`data` as a model folder's config.json, read the way every loader reads it."""
+    return read_config_json(_file("config.json", data, "config").parent)
 
 
 def safetensors(data: bytes) -> None:
@@ -53,10 +59,7 @@ def gguf(data: bytes) -> None:
 
 def config(data: bytes) -> None:
     """A config.json, read as a target's and as an assistant's."""
-    folder = _ROOT / "config"
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_bytes(data)
-    raw = read_config_json(folder)
+    raw = _config_json(data)
     for parse in (parse_text_config, parse_assistant_config):
         try:
             parse(raw)
@@ -64,18 +67,9 @@ def config(data: bytes) -> None:
             pass
 
 
-def _json(data: bytes) -> object:
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError):  # not JSON at all: the readers' own first check
-        raise EdgeMTPError("not JSON") from None
-
-
 def quantization_config(data: bytes) -> None:
-    """A compressed-tensors `quantization_config` (a W4A16 checkpoint's config.json)."""
-    raw = _json(data)
-    if isinstance(raw, dict):
-        parse_quantization_config(raw)
+    """A W4A16 checkpoint's config.json with its compressed-tensors `quantization_config`."""
+    parse_quantization_config(_config_json(data))
 
 
 def shard_index(data: bytes) -> None:
@@ -95,10 +89,7 @@ def shard_index(data: bytes) -> None:
 
 def tokenizer(data: bytes) -> None:
     """A `tokenizer.json`: loaded, then a prompt encoded (plain and as a chat turn) and decoded."""
-    folder = _ROOT / "tokenizer"
-    folder.mkdir(exist_ok=True)
-    (folder / "tokenizer.json").write_bytes(data)
-    loaded = load_tokenizer(folder)
+    loaded = load_tokenizer(_file("tokenizer.json", data, "tokenizer").parent)
     if loaded is not None:
         for chat in (False, True):
             loaded.decode(loaded.encode_prompt("Hello, wörld 12 ", chat=chat))
