@@ -491,7 +491,7 @@ def distill(
         raise EdgeMTPError(f"--seq-len {s.seq_len} is too short for --depth {s.depth}")
     target.model.to(dev)
 
-    state = torch.load(ckpt_path, map_location="cpu") if resume else None
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=True) if resume else None
     if state is not None:
         drafter = Gemma4Drafter(parse_assistant_config(state["config"]), target.cfg)
         check_drafter_matches(target.cfg, drafter.cfg)

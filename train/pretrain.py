@@ -305,7 +305,7 @@ def train(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[
     step, elapsed, tokens_seen, curve, commands = 0, 0.0, 0, [], []
     gen = np.random.default_rng(args.seed)
     if args.resume:
-        state = torch.load(state_file, weights_only=False)
+        state = torch.load(state_file, weights_only=True)  # tensors and plain values only
         config = state["config"]
         model = build_model(config)
         model.load_state_dict(state["model"])
