@@ -6,7 +6,7 @@ T_k = k * (one drafter step) + (verifying k+1 rows, with the host's share of the
 come from the rounds this session has run: acceptance as decayed counts with a prior, costs as
 medians of recent rounds per verify shape (a static bundle verifies every k >= 1 with the same
 method; the reference engine's cost grows with the rows). The policy starts with one round at
-depth 1 and one at 0 (`WARMUP`), then picks argmax E_k / T_k every round; a depth it has not
+depth 1 and two at 0 (`WARMUP`), then picks argmax E_k / T_k every round; a depth it has not
 measured is estimated from the nearest measured shape, and measured as soon as it is chosen.
 
 Re-evaluation is built in: every round decays the acceptance counts toward the prior, so a
@@ -23,9 +23,11 @@ from collections.abc import Callable
 from edgemtp.runtime.generate import Step
 
 # Before the model decides: one round drafting 1 token (it measures a drafter step and the
-# verify shape of k >= 1 rounds on a static bundle), one AR round. Cheap on purpose: with a
-# drafter that never agrees this is the whole cost of adaptive mode.
-WARMUP = (1, 0)
+# verify shape of k >= 1 rounds on a static bundle), two AR rounds (the first call of a shape can
+# carry one-off set-up; an AR cost measured only then made depth 1 look faster than AR for good,
+# since AR was never chosen again to correct it). Cheap on purpose: with a drafter that never
+# agrees this is the whole cost of adaptive mode.
+WARMUP = (1, 0, 0)
 HISTORY = 7  # recent samples whose median is a cost
 
 
@@ -65,7 +67,7 @@ class AdaptiveDepth:
 
     def _cost(self, samples: deque[float]) -> float:
         # The first call of a method can carry one-off set-up; drop it once there are others.
-        values = list(samples)[1:] if len(samples) > 2 else list(samples)
+        values = list(samples)[1:] if len(samples) > 1 else list(samples)
         return statistics.median(values)
 
     def verify_cost(self, k: int) -> float | None:
