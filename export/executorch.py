@@ -366,8 +366,8 @@ def method_io(programs: dict[str, Any]) -> dict[str, Any]:
     for method, program in programs.items():
         sig = program.graph_signature
         nodes = {n.name: n for n in program.graph.nodes}
-        names = OUTPUT_NAMES.get(method_kind(method), [])
-        inputs = INPUT_NAMES.get(method_kind(method), TARGET_INPUTS)
+        kind = method_kind(method)
+        names, inputs = OUTPUT_NAMES.get(kind, []), INPUT_NAMES.get(kind, TARGET_INPUTS)
         outputs = [str(n) for n in sig.user_outputs]
         out[method] = {
             "inputs": [
