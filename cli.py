@@ -15,12 +15,15 @@ from edgemtp.errors import EdgeMTPError
 
 
 def _ids(text: str) -> list[int]:
+    """Token ids separated by commas or spaces (argparse reports what it raises)."""
     try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
+        ids = [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
-        raise EdgeMTPError(f"--prompt-ids '{text}': expected comma-separated integers") from None
+        raise argparse.ArgumentTypeError(
+            f"'{text[:80]}' is not token ids (integers separated by commas or spaces)"
+        ) from None
     if not ids:
-        raise EdgeMTPError("--prompt-ids is empty")
+        raise argparse.ArgumentTypeError("no token ids given")
     return ids
 
 

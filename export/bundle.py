@@ -16,6 +16,7 @@ no timestamps, sorted keys, deterministic programs (each backend tests its own).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,6 +42,7 @@ from edgemtp.model.safetensors_file import SafetensorsFile, TensorEntry, write_t
 Progress = Callable[[str], None]
 
 SCHEMA_VERSION = 1
+SCHEMA = Path(__file__).with_name("manifest.schema.json")
 MANIFEST = "manifest.json"
 TABLES = "tables.safetensors"
 TOKENIZER_FILES = (
@@ -258,9 +260,17 @@ def copy_tokenizer(target_dir: Path, folder: Path) -> list[str]:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Add the size and hash of every file in `folder` and write manifest.json."""
-    manifest = dict(manifest, files=file_table(folder))
-    text = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False)
+    """Add the size and hash of every file in `folder`, check the result against the schema
+    and write manifest.json."""
+    files = file_table(folder)
+    text = json.dumps(dict(manifest, files=files), indent=1, sort_keys=True, allow_nan=False)
+    manifest = json.loads(text)  # checked exactly as a reader will see it
+    try:
+        check_manifest(manifest, folder / MANIFEST)
+    except EdgeMTPError as err:
+        raise EdgeMTPError(
+            f"edgemtp {__version__} wrote a manifest it cannot read: {err}"
+        ) from None
     (folder / MANIFEST).write_text(text + "\n")
     return manifest
 
@@ -280,21 +290,68 @@ def verify_files(bundle: Path, manifest: dict[str, Any]) -> None:
             )
 
 
+@functools.cache
+def _validator() -> Any:
+    import jsonschema
+
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def check_manifest(manifest: Any, path: Path) -> None:
+    """Raise one line naming what is wrong with `manifest` (read from or written to `path`):
+    a schema version this edgemtp does not read, a field out of `manifest.schema.json`, or a
+    file it names that the bundle does not list."""
+    import jsonschema
+
+    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    if version != SCHEMA_VERSION:
+        writer = manifest.get("edgemtp_version", "?") if isinstance(manifest, dict) else "?"
+        newer = isinstance(version, int) and version > SCHEMA_VERSION
+        fix = f"use edgemtp {writer} or newer to run it" if newer else "export the bundle again"
+        raise EdgeMTPError(
+            f"{path}: manifest schema version {version} (written by edgemtp {writer}); this "
+            f"edgemtp {__version__} reads schema version {SCHEMA_VERSION}: {fix}"
+        )
+    error = jsonschema.exceptions.best_match(_validator().iter_errors(manifest))
+    if error is not None:
+        field = "/".join(str(part) for part in error.absolute_path) or "(the whole manifest)"
+        what = error.message
+        if error.validator == "pattern":  # say what the pattern means, not the pattern
+            what = f"{error.instance!r:.80} is not {error.schema['description']}"
+        raise EdgeMTPError(
+            f"{path}: manifest field '{field[:120]}': {what[:160]}; export the bundle again"
+        )
+    files = manifest["files"]
+    named = [manifest["program"], manifest["tables"]["file"], manifest["model"]["config"]]
+    named += [manifest["drafter"]["config"]] if manifest["drafter"] else []
+    for name in [*named, *manifest["tokenizer"]]:
+        if name not in files and not any(f.startswith(name.rstrip("/") + "/") for f in files):
+            raise EdgeMTPError(
+                f"{path}: the manifest names '{name[:120]}' but lists no such file; export the "
+                "bundle again"
+            )
+    if len(manifest["model"]["layers"]) != manifest["model"]["num_layers"]:
+        raise EdgeMTPError(
+            f"{path}: the manifest describes {len(manifest['model']['layers'])} layers of a "
+            f"{manifest['model']['num_layers']}-layer model; export the bundle again"
+        )
+
+
 def read_manifest(bundle: Path) -> dict[str, Any]:
+    """The bundle's manifest, checked against the schema (not yet against the files)."""
     path = Path(bundle) / MANIFEST
     if not path.is_file():
         raise EdgeMTPError(f"{bundle}: no {MANIFEST} (is this an edgemtp export bundle?)")
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise EdgeMTPError(f"{path}: corrupt manifest ({err}); export the bundle again") from None
-    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
-    if version != SCHEMA_VERSION:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, 4300+ digits
+        detail = " ".join(str(err).split())[:120] or type(err).__name__
         raise EdgeMTPError(
-            f"{path}: manifest schema version {version} (written by edgemtp "
-            f"{manifest.get('edgemtp_version') if isinstance(manifest, dict) else '?'}); this "
-            f"edgemtp {__version__} reads version {SCHEMA_VERSION}: export the bundle again"
-        )
+            f"{path}: corrupt manifest ({detail}); export the bundle again"
+        ) from None
+    check_manifest(manifest, path)
     return manifest
 
 

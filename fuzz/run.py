@@ -3,11 +3,11 @@
     python fuzz/run.py [TARGET ...] [--seconds 600] [--work DIR] [--out fuzz/results.json]
 
 Targets (`fuzz/targets.py`): safetensors, gguf, config, quantization_config, shard_index,
-tokenizer. Each runs in its own process for `--seconds`, starting from a corpus seeded with
-files edgemtp and the tests build (a safetensors file of four dtypes, the tiny/e2b presets'
+tokenizer, manifest. Each runs in its own process for `--seconds`, starting from a corpus seeded
+with files edgemtp and the tests build (a safetensors file of four dtypes, the tiny/e2b presets'
 target and assistant configs, a tiny Gemma 4 GGUF written like the GGUF tests write theirs, our
-compressed-tensors W4A16 configs, a shard index, a small BPE tokenizer.json) and kept in
-`--work/<target>/corpus` between runs.
+compressed-tensors W4A16 configs, a shard index, a small BPE tokenizer.json, the manifest of a
+tiny ExecuTorch bundle in `fuzz/seeds/`) and kept in `--work/<target>/corpus` between runs.
 libFuzzer stops at the first finding and saves it as `crash-*`, `timeout-*` (an input that took
 over 10 s) or `oom-*` (over 2 GiB resident) under `--work/<target>/`. Prints and writes one
 record per target: executions, seconds, corpus size, crashes, hangs, out-of-memory.
@@ -27,7 +27,15 @@ from typing import Any
 
 FUZZ = Path(__file__).resolve().parent
 ROOT = FUZZ.parent
-TARGETS = ("safetensors", "gguf", "config", "quantization_config", "shard_index", "tokenizer")
+TARGETS = (
+    "safetensors",
+    "gguf",
+    "config",
+    "quantization_config",
+    "shard_index",
+    "tokenizer",
+    "manifest",
+)
 TIMEOUT_S = 10
 SHARD = "model-00001-of-00001.safetensors"  # the one shard the shard_index target holds
 RSS_LIMIT_MB = 2048
@@ -78,6 +86,8 @@ def seed(target: str, corpus: Path) -> None:
         trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=words)
         tok.train_from_iterator(["Hello world, a small corpus.", "user model turn"], trainer)
         (corpus / "bpe").write_text(tok.to_str())
+    elif target == "manifest":
+        (corpus / "tiny-executorch").write_bytes((FUZZ / "seeds" / "manifest.json").read_bytes())
     else:
         sys.path.insert(0, str(ROOT / "tests"))
         from test_gguf_import import BASE, build_hf, write_gguf
@@ -94,7 +104,7 @@ def child(target: str, args: list[str]) -> None:
     import numpy  # noqa: F401  (big dependencies stay uninstrumented)
     import torch  # noqa: F401
 
-    with atheris.instrument_imports(include=["edgemtp", "gguf", "targets"]):
+    with atheris.instrument_imports(include=["edgemtp", "gguf", "jsonschema", "targets"]):
         sys.path.insert(0, str(FUZZ))
         import targets
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from edgemtp.errors import EdgeMTPError
+from edgemtp.export.bundle import read_manifest, verify_files
 from edgemtp.model.checkpoint import TensorSource
 from edgemtp.model.config import parse_assistant_config, parse_text_config, read_config_json
 from edgemtp.model.safetensors_file import SafetensorsFile
@@ -95,6 +96,13 @@ def tokenizer(data: bytes) -> None:
             loaded.decode(loaded.encode_prompt("Hello, wörld 12 ", chat=chat))
 
 
+def manifest(data: bytes) -> None:
+    """A bundle's `manifest.json`: schema version, schema, the files it names (which must stay
+    inside the bundle), then every listed file checked against its size and SHA-256."""
+    folder = _file("manifest.json", data, "bundle").parent
+    verify_files(folder, read_manifest(folder))
+
+
 SHARD = "model-00001-of-00001.safetensors"
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "safetensors": safetensors,
@@ -103,6 +111,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "quantization_config": quantization_config,
     "shard_index": shard_index,
     "tokenizer": tokenizer,
+    "manifest": manifest,
 }
 
 

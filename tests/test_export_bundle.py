@@ -247,6 +247,110 @@ def test_bundle_manifest_describes_what_was_written(onnx_bundle, tmp_path):
         verify_files(copy, manifest)
 
 
+def _sha(text: str) -> dict[str, object]:
+    return {"bytes": 1, "sha256": text}
+
+
+BAD_MANIFESTS = {
+    "newer schema": (
+        lambda m: m.update(schema_version=2, edgemtp_version="9.1.0"),
+        r"schema version 2 \(written by edgemtp 9.1.0\); this edgemtp \S+ reads schema version "
+        r"1: use edgemtp 9.1.0 or newer to run it",
+    ),
+    "older schema": (
+        lambda m: m.update(schema_version=0),
+        r"schema version 0 .* reads schema version 1: export the bundle again",
+    ),
+    "program outside the bundle": (
+        lambda m: m.update(program="../model.pte"),
+        r"field 'program': '../model.pte' is not a relative path inside the bundle",
+    ),
+    "absolute file": (
+        lambda m: m["files"].update({"/etc/passwd": _sha("0" * 64)}),
+        r"field 'files': '/etc/passwd' is not a relative path inside the bundle",
+    ),
+    "file up and out": (
+        lambda m: m["files"].update({"onnx/../../x": _sha("0" * 64)}),
+        r"'onnx/../../x' is not a relative path inside the bundle",
+    ),
+    "not a hash": (
+        lambda m: m["files"]["config.json"].update(sha256="abc"),
+        r"field 'files/config.json/sha256': 'abc' is not a SHA-256 in 64 lowercase hex digits",
+    ),
+    "wrong type": (
+        lambda m: m["shapes"].update(max_context="96"),
+        r"field 'shapes/max_context': '96' is not of type 'integer'",
+    ),
+    "unknown table format": (
+        lambda m: m["tables"]["token"].update(format="q5_k"),
+        r"field 'tables/token/format': 'q5_k' is not one of",
+    ),
+    "missing field": (lambda m: m.pop("files"), r"'files' is a required property"),
+    "unknown field": (lambda m: m.update(extra=1), r"\('extra' was unexpected\)"),
+    "unlisted program": (
+        lambda m: m.update(program="model.pte"),
+        r"the manifest names 'model.pte' but lists no such file",
+    ),
+    "layers cut short": (
+        lambda m: m["model"]["layers"].pop(),
+        r"describes 9 layers of a 10-layer model",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MANIFESTS))
+def test_manifest_out_of_schema_is_refused_in_one_line(onnx_bundle, tmp_path, case):
+    mutate, expected = BAD_MANIFESTS[case]
+    manifest = json.loads((onnx_bundle / "manifest.json").read_text())
+    mutate(manifest)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EdgeMTPError, match=expected) as err:
+        read_manifest(tmp_path)
+    assert "\n" not in str(err.value) and str(err.value).endswith(
+        "or newer to run it" if case == "newer schema" else "export the bundle again"
+    )
+
+
+def test_generate_on_a_manifest_that_leaves_the_bundle(onnx_bundle, tmp_path, capsys):
+    copy = shutil.copytree(onnx_bundle, tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps(dict(manifest, program="/etc")))
+    code = main(["generate", "--bundle", str(copy), "--prompt-ids", "1 2", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err == [
+        f"edgemtp generate: error: {copy / 'manifest.json'}: manifest field 'program': '/etc' is "
+        "not a relative path inside the bundle (no leading '/', no '..' part, no backslash); "
+        "export the bundle again"
+    ]
+
+
+def test_coreml_bundle_manifest_is_in_the_schema(quantized_pair, tmp_path):
+    """Export checks every manifest before writing it (the ExecuTorch and ONNX tests export
+    theirs); a Core ML bundle cannot run here, so its manifest is checked on its own."""
+    import jsonschema
+
+    from edgemtp.export.bundle import SCHEMA
+
+    target, drafter = quantized_pair
+    out = tmp_path / "bundle"
+    assert main(
+        [
+            "export", "--model", str(target), "--drafter", str(drafter), "--backend", "coreml",
+            "--delegate", "npu", "--max-context", "96", "--draft-depth", "2",
+            "--prefill-chunk", "8", "--out", str(out),
+        ]
+    ) == 0  # fmt: skip
+    manifest = read_manifest(out)
+    jsonschema.validate(manifest, json.loads(SCHEMA.read_text()))
+    verify_files(out, manifest)
+    assert (manifest["backend"], manifest["delegate"], manifest["quantization"]["scheme"]) == (
+        "coreml",
+        "npu",
+        "q4_0",
+    )
+    assert sorted(manifest["method_io"]) == sorted(manifest["methods"])
+
+
 def test_bundle_generates_the_reference_tokens(quantized_pair, tmp_path_factory):
     from oracle_drafts import greedy
 

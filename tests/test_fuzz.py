@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgemtp.errors import EdgeMTPError
+from edgemtp.export.bundle import read_manifest
 from edgemtp.model.config import parse_assistant_config, parse_text_config
 from edgemtp.model.synth import preset_config
 from edgemtp.quantize.gguf_import import GGUFSource
@@ -121,3 +122,48 @@ def test_bounded_coverage_guided_run_finds_nothing(target, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     record = json.loads((tmp_path / "result.json").read_text())["records"][0]
     assert record["executions"] > 100 and record["findings"] == []
+
+
+SEED_MANIFEST = ROOT / "fuzz" / "seeds" / "manifest.json"
+
+
+def _paths(value: object, prefix: tuple = ()) -> list[tuple]:
+    """Every key path into a JSON value (dict keys and list indexes)."""
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else []
+    )
+    out = [prefix] if prefix else []
+    for key, inner in items:
+        out += _paths(inner, (*prefix, key))
+    return out
+
+
+def test_the_manifest_seed_is_in_the_current_schema(tmp_path):
+    (tmp_path / "manifest.json").write_bytes(SEED_MANIFEST.read_bytes())
+    read_manifest(tmp_path)  # no files beside it: the schema and the names only
+
+
+@SETTINGS
+@given(st.data())
+def test_manifests_with_random_fields_raise_only_edgemtp_errors(data):
+    """A real bundle's manifest with random fields replaced, removed or added at any depth."""
+    manifest = json.loads(SEED_MANIFEST.read_text())
+    for path in data.draw(st.lists(st.sampled_from(_paths(manifest)), min_size=1, max_size=3)):
+        parent = manifest
+        try:
+            for key in path[:-1]:
+                parent = parent[key]
+            if data.draw(st.booleans()):
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = data.draw(_JSON)
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier change removed or replaced this path
+    try:
+        targets.manifest(json.dumps(manifest).encode())
+    except EdgeMTPError as err:
+        assert "\n" not in str(err)
