@@ -425,6 +425,9 @@ def run_generate(args: argparse.Namespace) -> int:
         if metrics["peak_rss_mb"] is not None:
             summary.append(f"peak RSS {metrics['peak_rss_mb']:.0f} MB")
         print("-- " + ", ".join(s for s in summary if s), file=sys.stderr)
+    if result.stop_reason == "interrupted":
+        print(f"edgemtp generate: interrupted after {len(result.tokens)} tokens", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -596,7 +599,6 @@ def run_export(args: argparse.Namespace) -> int:
         shapes = StaticShapes(args.max_context, args.draft_depth, chunk, buckets)
     except ValueError as e:
         raise EdgeMTPError(f"--context-buckets: {e}") from None
-    signal.signal(signal.SIGTERM, _interrupt)  # a killed export cleans up like Ctrl-C does
     t0 = time.perf_counter()
 
     def progress(msg: str) -> None:
@@ -669,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
         "distill": run_distill,
         "demo": run_demo,
     }
+    # a killed export or quantize cleans up as after Ctrl-C
+    terminate = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return commands[args.command](args)
     except EdgeMTPError as err:
@@ -680,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"edgemtp {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, terminate)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ class Generation:
     t_start: float
     t_first: float
     t_end: float
-    stop_reason: str  # "stop" (a stop token), "length" (the budget), "context" (cache full)
+    # "stop" (a stop token), "length" (the budget), "context" (cache full), "interrupted"
+    stop_reason: str
     reused: int = 0  # prompt tokens whose cache was kept from an earlier turn
 
     @property
@@ -234,9 +235,12 @@ def decode(
     stop_ids: tuple[int, ...] = (),
     reused: int = 0,
     on_tokens: Callable[[list[int]], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` committed tokens after `prompt`, whose first `reused`
-    tokens are already in the backend's cache (a chat's earlier turns)."""
+    tokens are already in the backend's cache (a chat's earlier turns). `should_stop` is asked
+    between rounds, where the cache holds exactly the committed tokens: stopping there keeps
+    them (stop reason "interrupted") and the cache consistent."""
     policy = policy or FixedDepth(0)
     params = params or SamplingParams()
     params.validate()
@@ -257,6 +261,9 @@ def decode(
     position = len(prompt)  # where out[-1] goes: committed, not yet in the cache
     stop_reason = "length"
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        if should_stop is not None and should_stop():
+            stop_reason = "interrupted"
+            break
         room = backend.max_context - position  # rows the cache can still take
         if room < 1:
             stop_reason = "context"

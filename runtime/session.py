@@ -14,7 +14,10 @@ sliding ring no longer holds that prefix, prefills again from the start).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -148,8 +151,13 @@ class Session:
         params: SamplingParams | None = None,
         stop_ids: tuple[int, ...] | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        interruptible: bool = True,
     ) -> Generation:
-        """Continue from the longest prefix of `prompt` the cache holds; see the module doc."""
+        """Continue from the longest prefix of `prompt` the cache holds; see the module doc.
+        With `interruptible`, a Ctrl-C ends decoding after the round (or the prefill) in flight
+        and returns the tokens so far, stop reason "interrupted"; the next call continues from
+        them. A second Ctrl-C raises KeyboardInterrupt; after any exception the session's next
+        call starts afresh."""
         vocab = self.backend.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -170,16 +178,18 @@ class Session:
         self.truncate(common)
         stops = self.stop_ids if stop_ids is None else stop_ids
         try:
-            result = decode(
-                self.backend,
-                prompt,
-                max_new_tokens,
-                policy=policy,
-                params=params,
-                stop_ids=stops,
-                reused=len(self.cached),
-                on_tokens=on_tokens,
-            )
+            with stop_on_interrupt(interruptible) as interrupted:
+                result = decode(
+                    self.backend,
+                    prompt,
+                    max_new_tokens,
+                    policy=policy,
+                    params=params,
+                    stop_ids=stops,
+                    reused=len(self.cached),
+                    on_tokens=on_tokens,
+                    should_stop=interrupted,
+                )
         except BaseException:
             self.cached = []  # the cache is in an unknown state: the next call starts afresh
             self.backend.truncate(0)
@@ -198,6 +208,32 @@ class Session:
     def reset(self) -> None:
         self.backend.truncate(0)
         self.cached = []
+
+
+@contextmanager
+def stop_on_interrupt(enabled: bool = True) -> Iterator[Callable[[], bool]]:
+    """Within: the first SIGINT (Ctrl-C) only sets a flag the decode loop reads between rounds;
+    a second raises KeyboardInterrupt as usual. Off the main thread, or where the program has
+    its own SIGINT handler, signals are left alone."""
+    if (
+        not enabled
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield lambda: False
+        return
+    asked: list[int] = []
+
+    def ask(signum: int, frame: object) -> None:
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(signum)
+
+    signal.signal(signal.SIGINT, ask)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _check_delegate_override(backend: str, exported: str, delegate: str) -> None:

@@ -232,3 +232,34 @@ def test_synth_refuses_to_overwrite(tiny, capsys):
     target, _ = tiny
     line = error_line(capsys, "synth", "--preset", "tiny", "--out", target)
     assert "already exists" in line
+
+
+def test_ctrl_c_during_generate_stops_with_the_tokens_so_far(tiny):
+    """A real SIGINT while tokens stream: the round in flight finishes, the tokens so far are
+    printed and summed up, exit status 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    target, drafter = tiny
+    cmd = [
+        sys.executable, "-m", "edgemtp.cli", "generate", "--model", str(target), "--drafter",
+        str(drafter), "--mtp", "2", "--prompt-ids", "5,6,7", "--max-new-tokens", "4000",
+        "--max-context", "4096", "--ignore-eos",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    streamed = b""
+    while streamed.count(b" ") < 20:  # tokens stream as "id " with a flush per round
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, proc.stderr.read().decode()
+        streamed += chunk
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    tokens = (streamed + out).split()
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 130, err.decode()
+    assert lines[-1] == f"edgemtp generate: interrupted after {len(tokens)} tokens"
+    assert lines[-2].startswith(f"-- {len(tokens)} tokens, ") and "Traceback" not in err.decode()
+    assert 20 <= len(tokens) < 4000

@@ -394,7 +394,7 @@ def test_same_inputs_same_bytes(quantized_pair, onnx_bundle, tmp_path):
     assert [k for k in first if first[k] != second[k]] == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_killed_export_leaves_no_bundle(quantized_pair, tmp_path, sig):
     target, drafter = quantized_pair
     out = tmp_path / "bundle"
@@ -410,13 +410,32 @@ def test_killed_export_leaves_no_bundle(quantized_pair, tmp_path, sig):
             break
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    assert proc.returncode == (130 if sig == signal.SIGTERM else -signal.SIGKILL)
+    assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 130)
     assert not out.exists()
-    if sig == signal.SIGTERM:  # cleaned up; a SIGKILL can only leave a hidden ".bundle.*.partial"
+    if sig != signal.SIGKILL:  # cleaned up; a SIGKILL can only leave a hidden ".bundle.*.partial"
         assert _leftovers(tmp_path) == []
     else:
         assert all(name.endswith(".partial") or name.startswith(".edgemtp-quantize")
                    for name in _leftovers(tmp_path))  # fmt: skip
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_quantize_leaves_nothing(e2b_pair, tmp_path, sig):
+    source = e2b_pair[0].parent / "t"  # the float checkpoint: its token table takes a second
+    out = tmp_path / "quantized"
+    cmd = [
+        sys.executable, "-m", "edgemtp.cli", "quantize", "--model", str(source), "--scheme",
+        "q4_0", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()  # "[1/1] model.safetensors: ...": the writing has begun
+    assert "model.safetensors" in first, first + proc.stderr.read()
+    proc.send_signal(sig)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, rest
+    assert rest.strip().splitlines()[-1] == "edgemtp quantize: interrupted"
+    assert not out.exists() and _leftovers(tmp_path) == []
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ the config's shapes for bytes, /proc for resident memory, and arithmetic for the
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -174,6 +176,42 @@ def test_session_rejects_what_it_cannot_do(onnx_bundle):
         session.generate([3] * CONTEXT, 4)
     # a session stays usable after an error
     assert len(session.generate(_prompt(), 4, stop_ids=()).tokens) == 4
+
+
+def _interrupt_after(n: int, times: int = 1):
+    """An `on_tokens` that sends this process SIGINT `times` times once `n` tokens arrived."""
+    seen = []
+
+    def on_tokens(new: list[int]) -> None:
+        seen.extend(new)
+        if len(seen) >= n and len(seen) - len(new) < n:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    return on_tokens
+
+
+def test_ctrl_c_keeps_the_tokens_so_far_and_the_session_continues(onnx_bundle, reference):
+    target, _ = reference
+    ar = generate(target, _prompt(), N_NEW, prefill_chunk=CHUNK).tokens
+    session = _onnx(onnx_bundle)
+    got = session.generate(_prompt(), N_NEW, mtp=2, stop_ids=(), on_tokens=_interrupt_after(9))
+    assert got.stop_reason == "interrupted" and 9 <= len(got.tokens) < N_NEW
+    assert got.tokens == ar[: len(got.tokens)]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    rest = session.generate(_prompt() + got.tokens, N_NEW - len(got.tokens), mtp=2, stop_ids=())
+    assert rest.reused == 21 + len(got.tokens) - 1  # only the last token was prefilled
+    assert got.tokens + rest.tokens == ar
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C does not wait for the round
+        session.generate(_prompt(), N_NEW, stop_ids=(), on_tokens=_interrupt_after(5, times=2))
+    assert session.cached == []
+    with pytest.raises(RuntimeError):  # any error: the next call starts afresh
+        session.generate(_prompt(), N_NEW, stop_ids=(), on_tokens=_raise_after_tokens)
+    assert session.generate(_prompt(), N_NEW, mtp=3, stop_ids=()).tokens == ar
+
+
+def _raise_after_tokens(new: list[int]) -> None:
+    raise RuntimeError("the caller's stream broke")
 
 
 # --- bytes moved per step ------------------------------------------------------------------------
