@@ -395,7 +395,8 @@ def git_state() -> tuple[str, bool]:
         run = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
         return run.stdout.strip()
 
-    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain"))
+    code = ["--", ".", ":!*.md", ":!benchmarks/results"]  # what can change the figures
+    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain", *code))
 
 
 # --- main ----------------------------------------------------------------------------------------
