@@ -10,8 +10,12 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgemtp.errors import EdgeMTPError
+
+if TYPE_CHECKING:
+    from edgemtp.model.config import TextConfig
 
 
 def _ids(text: str) -> list[int]:
@@ -570,13 +574,32 @@ def context_buckets(text: str, args: argparse.Namespace) -> tuple[int, ...]:
         ) from None
 
 
+def _check_context(max_context: int, max_draft: int, cfg: TextConfig, model: Path) -> None:
+    """A context the model was not trained for, or a cache larger than this machine's memory,
+    is refused before anything is allocated."""
+    from edgemtp.runtime.kv_cache import cache_bytes
+    from edgemtp.runtime.probes import physical_memory
+
+    if max_context > cfg.max_position_embeddings:
+        raise EdgeMTPError(
+            f"--max-context {max_context}: {model} attends to at most "
+            f"{cfg.max_position_embeddings} positions (max_position_embeddings); use no more"
+        )
+    need, have = cache_bytes(cfg, max_context, max_draft), physical_memory()
+    if need > have:
+        raise EdgeMTPError(
+            f"--max-context {max_context}: the KV cache alone takes {need / 2**30:.2f} GiB, more "
+            f"than this machine's {have / 2**30:.2f} GiB of memory; use a smaller --max-context"
+        )
+
+
 def run_export(args: argparse.Namespace) -> int:
     import torch
 
     from edgemtp.export.bundle import ExportRequest, export
     from edgemtp.export.static import StaticShapes
     from edgemtp.model.checkpoint import open_checkpoint, target_config
-    from edgemtp.runtime.kv_cache import ring_size
+    from edgemtp.runtime.kv_cache import cache_slots
     from edgemtp.runtime.probes import peak_rss_mb
 
     _check_positive("--max-context", args.max_context, 2)
@@ -587,7 +610,8 @@ def run_export(args: argparse.Namespace) -> int:
         raise EdgeMTPError(f"{args.model} does not exist")
     source = open_checkpoint(args.model)
     cfg = target_config(source.config, str(source.path))
-    smallest = min(args.max_context, ring_size(cfg.sliding_window, args.draft_depth))
+    _check_context(args.max_context, args.draft_depth, cfg, args.model)
+    smallest = min(cache_slots(cfg, args.max_context, args.draft_depth).values())
     chunk = args.prefill_chunk or min(128, smallest)
     if chunk > smallest:
         raise EdgeMTPError(

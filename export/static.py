@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from edgemtp.export.exportable import clear_mask_memo, make_exportable
 from edgemtp.model.config import AttentionKind, TextConfig
 from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target
-from edgemtp.runtime.kv_cache import ring_size
+from edgemtp.runtime.kv_cache import cache_slots
 
 CONTEXT_STEP = 4  # auto context buckets: 512, 2048, 8192, ... below the max context
 SMALLEST_BUCKET = 512
@@ -135,11 +135,9 @@ class StaticCache(nn.Module):
     ):
         super().__init__()
         self.cfg = cfg
-        self.slots: dict[str, int] = {}
-        for kind in sorted(set(cfg.layer_types)):
-            ring = min(max_context, ring_size(cfg.sliding_window, max_draft))
-            self.slots[kind] = max_context if kind == "full" else ring
-            self.register_buffer(f"pos_{kind}", torch.full((self.slots[kind] + 1,), -1))
+        self.slots = cache_slots(cfg, max_context, max_draft)
+        for kind, n in self.slots.items():
+            self.register_buffer(f"pos_{kind}", torch.full((n + 1,), -1))
         self.owners = [spec.index for spec in cfg.layers if spec.owns_kv]
         for i in self.owners:
             spec = cfg.layers[i]

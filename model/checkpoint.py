@@ -152,6 +152,22 @@ def _load_module(
     module.to(dtype)
 
 
+def _materialize(model: nn.Module, source: TensorSource) -> nn.Module:
+    """Allocate a model built on the meta device, once its size is possible: every weight takes
+    at least half a byte in a checkpoint (4 bits), so a config declaring more parameters than
+    twice the checkpoint's bytes is from another model, and is refused before a byte of it is
+    allocated (a vocab_size of 10^9 would ask for gigabytes)."""
+    params = sum(t.numel() for t in model.state_dict().values())
+    files = [source.path] if source.path.is_file() else source.path.glob("*.safetensors")
+    stored = sum(f.stat().st_size for f in files)
+    if params > 2 * stored + 2**20:
+        raise EdgeMTPError(
+            f"{source.path}: config.json declares {params:,} parameters, more than the "
+            f"checkpoint's {stored:,} bytes can hold; the config is from another model"
+        )
+    return model.to_empty(device="cpu")
+
+
 def _check_no_unknown(source: TensorSource, used: set[str], ignorable: tuple[str, ...]) -> None:
     for name in source.names():
         if name in used or name.startswith(_MULTIMODAL_IGNORED):
@@ -219,7 +235,7 @@ def load_target(path: Path, dtype: torch.dtype = torch.float32) -> Target:
     prefix = _text_prefix(source.names())
     with torch.device("meta"):
         model = Gemma4Target(cfg)
-    model = model.to_empty(device="cpu")
+    model = _materialize(model, source)
     register_rope(model, cfg)
     tied = "lm_head.weight" not in source.names() or cfg.raw.get("tie_word_embeddings", True)
     rename = {k: prefix + k for k in model.state_dict()}
@@ -252,7 +268,7 @@ def load_drafter(path: Path, target: TextConfig, dtype: torch.dtype = torch.floa
     check_drafter_matches(target, cfg)
     with torch.device("meta"):
         model = Gemma4Drafter(cfg, target)
-    model = model.to_empty(device="cpu")
+    model = _materialize(model, source)
     register_rope(model, cfg.text)
     tied = "lm_head.weight" not in source.names() or cfg.raw.get("tie_word_embeddings", True)
     rename = {

@@ -24,6 +24,22 @@ def ring_size(window: int, max_draft: int) -> int:
     return window + max_draft + 1
 
 
+def cache_slots(cfg: TextConfig, max_context: int, max_draft: int) -> dict[str, int]:
+    """Slots per attention kind: one per position for full layers, a ring for sliding ones."""
+    ring = min(max_context, ring_size(cfg.sliding_window, max_draft))
+    return {kind: max_context if kind == "full" else ring for kind in sorted(set(cfg.layer_types))}
+
+
+def cache_bytes(cfg: TextConfig, max_context: int, max_draft: int, itemsize: int = 4) -> int:
+    """Bytes of K and V over every layer that owns a cache."""
+    slots = cache_slots(cfg, max_context, max_draft)
+    return sum(
+        2 * spec.num_kv_heads * slots[spec.attention] * spec.head_dim * itemsize
+        for spec in cfg.layers
+        if spec.owns_kv
+    )
+
+
 class KVCache:
     def __init__(
         self,
@@ -34,12 +50,7 @@ class KVCache:
     ):
         self.cfg = cfg
         self.max_context = max_context
-        self.slots: dict[str, int] = {}
-        for kind in sorted(set(cfg.layer_types)):
-            full = kind == "full"
-            self.slots[kind] = (
-                max_context if full else min(max_context, ring_size(cfg.sliding_window, max_draft))
-            )
+        self.slots = cache_slots(cfg, max_context, max_draft)
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
         for spec in cfg.layers:

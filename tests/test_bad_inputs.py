@@ -114,6 +114,9 @@ CASES: dict[str, Case] = {
     "A config field out of range": lambda d, m: _generate(
         _config(_copy(m["target"], d / "t"), num_key_value_heads=0)
     ),
+    "A config declaring more weights than its checkpoint holds": lambda d, m: _generate(
+        _config(_copy(m["target"], d / "t"), vocab_size=10**9)
+    ),
     "Truncated safetensors": lambda d, m: _generate(_truncate(_copy(m["target"], d / "t"))),
     "A safetensors header declaring a terabyte tensor": lambda d, m: _generate(
         _safetensors_header(
@@ -163,6 +166,11 @@ CASES: dict[str, Case] = {
         *_export(m["q4_0"], d / "out"),
         "--quant",
         "w4a16",
+    ],  # fmt: skip
+    "A context longer than the model attends to": lambda d, m: [
+        *_export(m["target"], d / "out"),
+        "--max-context",
+        "1000000",
     ],  # fmt: skip
     "An output folder that exists": lambda d, m: (
         (d / "out").mkdir(),

@@ -163,6 +163,29 @@ def test_existing_output_and_missing_input(tiny, tmp_path, capsys):
     assert "does not exist" in line
 
 
+def test_a_cache_larger_than_this_machine_is_refused_before_allocating(
+    tiny, tmp_path, capsys, monkeypatch
+):
+    import edgemtp.runtime.probes as probes
+
+    monkeypatch.setattr(probes, "physical_memory", lambda: 2**25)
+    out = tmp_path / "bundle"
+    line = _export_error(
+        capsys, "--model", tiny["target"], "--backend", "onnx", "--max-context", "131072",
+        "--out", out,
+    )  # fmt: skip
+    # tiny's KV owners: layer 4 (full: 1 head x 32 dims, a slot per position) and layers 0-3
+    # (sliding: 1 x 16, a ring of window 16 + 1); K and V, fp32
+    need = 2 * 4 * (131072 * 32 + 4 * 17 * 16)
+    assert need > 2**25
+    assert line == (
+        f"edgemtp export: error: --max-context 131072: the KV cache alone takes "
+        f"{need / 2**30:.2f} GiB, more than this machine's 0.03 GiB of memory; use a smaller "
+        "--max-context"
+    )
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
 def test_chunk_larger_than_the_sliding_ring(tiny, tmp_path, capsys):
     line = _export_error(
         capsys,

@@ -20,7 +20,7 @@ from edgemtp.runtime.probes.energy import (
     parse_ioreg,
     rapl_delta_uj,
 )
-from edgemtp.runtime.probes.memory import current_rss_mb, peak_rss_mb
+from edgemtp.runtime.probes.memory import current_rss_mb, peak_rss_mb, physical_memory
 
 __all__ = [
     "AdbReader",
@@ -39,5 +39,6 @@ __all__ = [
     "parse_dumpsys_battery",
     "parse_ioreg",
     "peak_rss_mb",
+    "physical_memory",
     "rapl_delta_uj",
 ]

@@ -1,4 +1,5 @@
-"""This process's memory: peak and current resident set size, in MiB (2**20 bytes).
+"""This process's memory: peak and current resident set size, in MiB (2**20 bytes); the
+machine's physical memory, in bytes.
 
 MiB is what the project's other reports print as "MB" (cli.py divides ru_maxrss by 1024).
 """
@@ -49,3 +50,16 @@ def current_rss_mb() -> float | None:
     except ImportError:
         return None
     return psutil.Process().memory_info().rss / MIB
+
+
+def physical_memory() -> int:
+    """Bytes of RAM this machine has (sysconf on Linux and macOS, else psutil, else unbounded)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return sys.maxsize
+    return int(psutil.virtual_memory().total)
