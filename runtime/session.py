@@ -64,7 +64,7 @@ class Session:
         leaves ExecuTorch's XNNPACK weight cache off (each method packs its own weights: for
         comparisons only)."""
         from edgemtp.devices.capabilities import require
-        from edgemtp.export.bundle import open_tables, read_manifest, verify_files
+        from edgemtp.export.bundle import SCHEMA_VERSION, open_tables, read_manifest, verify_files
         from edgemtp.export.static import StaticShapes
         from edgemtp.model.checkpoint import target_config
 
@@ -93,6 +93,7 @@ class Session:
             "backend": backend,
             "delegate": delegate,
             "quantization": manifest["quantization"]["scheme"],
+            "exported_by": f"edgemtp {manifest['edgemtp_version']} (schema {SCHEMA_VERSION})",
             "shapes": manifest["shapes"],
             "weight_cache": getattr(runner, "weight_cache", None),
         }

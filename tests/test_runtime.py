@@ -18,6 +18,7 @@ import pytest
 import torch
 from oracle_drafts import OracleDrafts, greedy
 
+from edgemtp import __version__
 from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.bundle import open_tables, read_manifest, write_tables
@@ -385,6 +386,7 @@ def test_generate_from_a_bundle_on_the_command_line(onnx_bundle, reference, caps
     phases = metrics["decode_seconds_by_phase"]
     assert set(phases) == {"embed", "target", "drafter", "sampling", "host"}
     assert payload["session"]["backend"] == "onnx"
+    assert payload["session"]["exported_by"] == f"edgemtp {__version__} (schema 1)"
     assert all("bytes_moved" in s and "total" in s["seconds"] for s in payload["trace"])
 
 
