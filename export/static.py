@@ -159,28 +159,32 @@ class StaticCache(nn.Module):
         `bucket`, only the first `bucket` slots are read of each cache at least twice that
         long. A slice is a copy in XNNPACK: slicing PEER-90M's 516-slot sliding rings to 512
         made its 512-bucket decode step 4.2 ms instead of 3.8 ms."""
-        out = {}
-        for kind in self.slots:
-            p = self.pos(kind)
-            out[kind] = p if truncate_at is None else torch.where(p >= truncate_at, -1, p)
         length = {
             k: bucket for k, n in self.slots.items() if bucket is not None and 2 * bucket <= n
         }
+        out = {}
+        for kind in self.slots:
+            p = self.pos(kind)[: length.get(kind)]
+            out[kind] = p if truncate_at is None else torch.where(p >= truncate_at, -1, p)
         return _View(self, out, length)
 
     def write(
         self, view: _View, new_kv: dict[int, tuple[Tensor, Tensor]], positions: Tensor
     ) -> None:
-        """Store the rows' K/V (pad rows to the trash slot) and the truncated + new positions."""
+        """Store the rows' K/V (pad rows to the trash slot) and the truncated + new positions.
+        Through a bucketed view only the bucket's slot positions are kept up to date: a slot
+        past it holds a position at or past the bucket, which every later call either rewrites
+        before reaching it or reads as truncated (each call truncates at its first position)."""
         pad = positions > positions[-1]
         write_pos = torch.where(pad, -1, positions)
         slot = {k: torch.where(pad, n, positions % n) for k, n in self.slots.items()}
-        for kind, n in self.slots.items():
+        for kind in self.slots:
+            kept = view.pos[kind]  # all slots + the trash slot, or the bucket's slots
             # No index_put here: ExecuTorch's reinplaced index_put on a temporary followed by the
             # buffer write-back lets the planner reuse the temporary's memory too early.
-            hit = torch.arange(n + 1)[:, None] == slot[kind][None, :]  # [slots + 1, rows]
+            hit = torch.arange(kept.shape[0])[:, None] == slot[kind][None, :]  # [slots, rows]
             written = torch.where(hit, write_pos[None, :], -2).amax(1)
-            self.pos(kind).copy_(torch.where(hit.any(1), written, view.pos[kind]))
+            self.pos(kind)[: kept.shape[0]].copy_(torch.where(hit.any(1), written, kept))
         for i, (k, v) in new_kv.items():
             idx = slot[self.cfg.layers[i].attention]
             self.k(i).index_copy_(1, idx, k)

@@ -140,6 +140,19 @@ def test_context_buckets_decode_like_the_whole_cache(paths, reference, oracle):
         assert {"draft_step_ctx12", "draft_step_ctx48", "draft_step"} <= set(got.calls)
 
 
+def test_context_buckets_alone_keep_the_cache(paths, reference):
+    """Bucketed methods on their own (no whole-cache call beside them rewriting the slot
+    positions): their own bookkeeping keeps the cache right, across both bucket edges."""
+    ref_target, ref_drafter = reference
+    prompt = _prompt(5)
+    ref = generate(ref_target, prompt, 70, drafter=ref_drafter, mtp_depth=2, prefill_chunk=8)
+    target, drafter = _load(paths)
+    bundle = StaticBundle.build(target.model, drafter.model, BUCKETED)
+    got = greedy(StaticBackend(EagerRunner(bundle), target.tables, target.cfg), prompt, 70, 2)
+    assert got.tokens == ref.tokens
+    assert {"verify_2_ctx12", "verify_2_ctx48", "draft_step_ctx12"} <= set(got.calls)
+
+
 def test_context_buckets_must_fit_between_depth_and_context():
     with pytest.raises(ValueError, match="between the draft depth"):
         StaticShapes(96, 2, 8, (2,))
