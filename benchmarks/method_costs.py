@@ -1,14 +1,16 @@
 """Where an ExecuTorch bundle's decode time goes: each method's cost per call, and per op type.
 
     python benchmarks/method_costs.py --bundle DIR [--threads 1] [--repeat 7] [--calls 100]
-        [--etdump] [--out benchmarks/results/NAME]
+        [--etdump] [--against OTHER_BUNDLE] [--out benchmarks/results/NAME]
 
 Calls every decode method (verify_K, draft_step; prefill_final with --prefill) with inputs built
 from the manifest's signatures (positions past the prompt, so masks and ring writes are real),
 interleaved, `--repeat` rounds of `--calls` calls: the median ms per call. `--etdump` then loads
 the program again with ExecuTorch's event tracer and splits each method's time by operator
 type (XNNPACK ops inside the delegates, portable kernels outside them, and the per-call
-overhead: DELEGATE_CALL time not covered by the ops inside it). Writes NAME.json and NAME.md.
+overhead: DELEGATE_CALL time not covered by the ops inside it). `--against` times another
+bundle's program (e.g. exported by an earlier commit) interleaved with this one: the ratio of
+a change measured side by side. Writes NAME.json and NAME.md.
 The runtime's own Python host overhead is not here: `benchmarks/runtime_backends.py` has it.
 """
 
@@ -49,20 +51,27 @@ def decode_methods(manifest: dict, prefill: bool) -> dict[str, tuple[torch.Tenso
     return {n: method_inputs(manifest["methods"][n]) for n in sorted(names)}
 
 
-def time_methods(pte: Path, calls: dict, repeat: int, n: int) -> dict[str, float]:
+def time_methods(
+    ptes: dict[str, Path], calls: dict, repeat: int, n: int
+) -> dict[str, dict[str, float]]:
+    """Median ms per call of each method of each program (label -> .pte), all loaded in this
+    process and interleaved: per round and method, the programs take turns (order alternating
+    between rounds), so a slow minute of a shared machine hits them alike."""
     from executorch.extension.pybindings import portable_lib
 
-    module = portable_lib._load_for_executorch(str(pte))
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeat):
+    modules = {label: portable_lib._load_for_executorch(str(p)) for label, p in ptes.items()}
+    samples: dict[tuple[str, str], list[float]] = {(lb, m): [] for lb in ptes for m in calls}
+    for r in range(repeat):
         for name, inputs in calls.items():
-            for _ in range(5):
-                module.run_method(name, inputs)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                module.run_method(name, inputs)
-            samples[name].append((time.perf_counter() - t0) / n * 1e3)
-    return {name: statistics.median(s) for name, s in samples.items()}
+            for label in list(modules)[:: -1 if r % 2 else 1]:
+                module = modules[label]
+                for _ in range(5):
+                    module.run_method(name, inputs)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    module.run_method(name, inputs)
+                samples[(label, name)].append((time.perf_counter() - t0) / n * 1e3)
+    return {lb: {m: statistics.median(samples[(lb, m)]) for m in calls} for lb in ptes}
 
 
 def op_breakdown(pte: Path, name: str, inputs: tuple, n: int) -> dict[str, dict[str, float]]:
@@ -113,13 +122,23 @@ def report(result: dict) -> str:
         f"{result['machine']['cpu']}; XNNPACK threads: {result['threads']}; medians of "
         f"{result['repeat']} interleaved rounds of {result['calls']} calls.",
         "",
-        "| method | ms per call | / verify_0 |",
-        "|---|---:|---:|",
     ]
-    base = result["ms_per_call"].get("verify_0")
-    for name, ms in result["ms_per_call"].items():
-        ratio = f"{ms / base:.2f}" if base else "-"
-        lines.append(f"| {name} | {ms:.3f} | {ratio} |")
+    against = result.get("against_ms_per_call")
+    if against:
+        lines += [
+            f"Against `{result['against']}` (same methods, same process, interleaved).",
+            "",
+            "| method | ms per call | against | ratio |",
+            "|---|---:|---:|---:|",
+        ]
+        for name, ms in result["ms_per_call"].items():
+            lines.append(f"| {name} | {ms:.3f} | {against[name]:.3f} | {ms / against[name]:.3f} |")
+    else:
+        lines += ["| method | ms per call | / verify_0 |", "|---|---:|---:|"]
+        base = result["ms_per_call"].get("verify_0")
+        for name, ms in result["ms_per_call"].items():
+            ratio = f"{ms / base:.2f}" if base else "-"
+            lines.append(f"| {name} | {ms:.3f} | {ratio} |")
     for name, table in result.get("ops", {}).items():
         lines += ["", f"## {name} by op type (ETDump; tracing adds its own overhead)", ""]
         lines += ["| op | calls | ms |", "|---|---:|---:|"]
@@ -137,6 +156,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--prefill", action="store_true", help="also time prefill_final")
     parser.add_argument("--etdump", action="store_true", help="split each method by op type")
+    parser.add_argument(
+        "--against", type=Path, help="another bundle of the same shapes, timed interleaved"
+    )
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     args = parser.parse_args()
 
@@ -160,8 +182,19 @@ def main() -> None:
         "threads": args.threads,
         "repeat": args.repeat,
         "calls": args.calls,
-        "ms_per_call": time_methods(pte, calls, args.repeat, args.calls),
     }
+    ptes = {"bundle": pte}
+    if args.against is not None:
+        other = json.loads((args.against / "manifest.json").read_text())
+        missing = sorted(set(calls) - set(other["methods"]))
+        if missing:
+            sys.exit(f"{args.against}: no {', '.join(missing)}; compare bundles of one shape")
+        ptes["against"] = args.against / other["program"]
+        result["against"] = str(args.against)
+    timed = time_methods(ptes, calls, args.repeat, args.calls)
+    result["ms_per_call"] = timed["bundle"]
+    if args.against is not None:
+        result["against_ms_per_call"] = timed["against"]
     if args.etdump:
         result["ops"] = {}
         for name, inputs in calls.items():
