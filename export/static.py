@@ -178,13 +178,16 @@ class StaticCache(nn.Module):
         pad = positions > positions[-1]
         write_pos = torch.where(pad, -1, positions)
         slot = {k: torch.where(pad, n, positions % n) for k, n in self.slots.items()}
-        for kind in self.slots:
+        for kind, n in self.slots.items():
             kept = view.pos[kind]  # all slots + the trash slot, or the bucket's slots
             # No index_put here: ExecuTorch's reinplaced index_put on a temporary followed by the
             # buffer write-back lets the planner reuse the temporary's memory too early.
             hit = torch.arange(kept.shape[0])[:, None] == slot[kind][None, :]  # [slots, rows]
             written = torch.where(hit, write_pos[None, :], -2).amax(1)
-            self.pos(kind)[: kept.shape[0]].copy_(torch.where(hit.any(1), written, kept))
+            pos = self.pos(kind)
+            (pos if kept.shape[0] == n + 1 else pos[: kept.shape[0]]).copy_(
+                torch.where(hit.any(1), written, kept)
+            )
         for i, (k, v) in new_kv.items():
             idx = slot[self.cfg.layers[i].attention]
             self.k(i).index_copy_(1, idx, k)
