@@ -6,7 +6,9 @@ simulator). Counts matmul FLOPs (2 per multiply-add); norms, RoPE and activation
 
 from __future__ import annotations
 
-from edgemtp.model.config import LayerSpec, TextConfig
+from dataclasses import dataclass
+
+from edgemtp.model.config import AssistantConfig, LayerSpec, TextConfig
 
 
 def attended(spec: LayerSpec, cfg: TextConfig, position: int) -> int:
@@ -16,8 +18,12 @@ def attended(spec: LayerSpec, cfg: TextConfig, position: int) -> int:
     return position + 1
 
 
-def layer_flops(cfg: TextConfig, spec: LayerSpec, positions: range) -> float:
-    """FLOPs of one decoder layer for query rows at `positions`."""
+def layer_flops(
+    cfg: TextConfig, spec: LayerSpec, positions: range, keys: int | None = None
+) -> float:
+    """FLOPs of one decoder layer for query rows at `positions`. Each row attends to the keys
+    before it, or, in a static program, to `keys` keys (every cache slot its method reads and
+    the call's own rows)."""
     h, heads, hd = cfg.hidden_size, cfg.num_heads, spec.head_dim
     per_row = 2 * h * heads * hd * 2  # q_proj, o_proj
     if spec.owns_kv:
@@ -25,7 +31,10 @@ def layer_flops(cfg: TextConfig, spec: LayerSpec, positions: range) -> float:
     per_row += 2 * 3 * h * spec.intermediate_size
     if cfg.hidden_size_per_layer_input:
         per_row += 2 * 2 * h * cfg.hidden_size_per_layer_input
-    scores = sum(attended(spec, cfg, p) for p in positions) * heads * hd * 2 * 2  # QK^T and PV
+    total = (
+        sum(attended(spec, cfg, p) for p in positions) if keys is None else keys * len(positions)
+    )
+    scores = total * heads * hd * 2 * 2  # QK^T and PV
     return per_row * len(positions) + scores
 
 
@@ -47,3 +56,133 @@ def prefill_flops(cfg: TextConfig, length: int, chunk: int, prune: bool) -> floa
                 2 * cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input * len(rows)
             )
     return total + 2 * cfg.hidden_size * cfg.vocab_size
+
+
+# --- bytes and FLOPs of one program call (the simulator's input) ------------------------------
+
+BITS_PER_WEIGHT = {"q4_0": 4.5, "w4a16": 4.0 + 16 / 128, "int8": 8.0, "fp16": 16.0, "fp32": 32.0}
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one call of a method moves and computes: weight bytes read (once per call, however
+    many rows), K/V bytes read, matmul FLOPs, and how many rows it carries."""
+
+    flops: float = 0.0
+    weight_bytes: float = 0.0
+    cache_bytes: float = 0.0
+    rows: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(
+            self.flops + other.flops,
+            self.weight_bytes + other.weight_bytes,
+            self.cache_bytes + other.cache_bytes,
+            max(self.rows, other.rows),
+        )
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.cache_bytes
+
+
+def layer_weights(cfg: TextConfig, spec: LayerSpec) -> int:
+    """Linear weights of one decoder layer (attention, MLP, per-layer input gate)."""
+    h, hd = cfg.hidden_size, spec.head_dim
+    n = 2 * h * cfg.num_heads * hd  # q_proj, o_proj
+    if spec.owns_kv:
+        n += h * spec.num_kv_heads * hd * (1 if spec.k_eq_v else 2)
+    n += 3 * h * spec.intermediate_size
+    if cfg.hidden_size_per_layer_input:
+        n += 2 * h * cfg.hidden_size_per_layer_input
+    return n
+
+
+def kv_read_bytes(
+    cfg: TextConfig, spec: LayerSpec, positions: range, cache_keys: int | None, itemsize: int = 4
+) -> int:
+    """K and V bytes this layer reads from its source cache for rows at `positions`: each row
+    its own keys, or, in a static program, the `cache_keys` slots its method reads, once."""
+    source = cfg.layers[spec.kv_source]
+    if cache_keys is None:
+        keys = sum(attended(spec, cfg, p) for p in positions)
+    else:
+        keys = cache_keys
+    return 2 * keys * source.num_kv_heads * source.head_dim * itemsize
+
+
+def static_cache_keys(slots: dict[str, int], bucket: int | None = None) -> dict[str, int]:
+    """Cache keys a static method reads per attention kind: every slot and the trash slot, or
+    the first `bucket` slots of a cache at least twice as long (`StaticCache.view`)."""
+    return {
+        kind: bucket if bucket is not None and 2 * bucket <= n else n + 1
+        for kind, n in slots.items()
+    }
+
+
+def forward_work(
+    cfg: TextConfig,
+    positions: range,
+    shared_rows: int,
+    logits_rows: int,
+    bits: float,
+    cache_keys: dict[str, int] | None = None,
+    cache_itemsize: int = 4,
+) -> Work:
+    """One target call over rows at `positions`: the owning layers for every row, the KV-shared
+    layers for the last `shared_rows` rows (0: pruned prefill), the LM head for `logits_rows`
+    rows. Each weight is read once per call; the K/V as `kv_read_bytes` says (`cache_keys`:
+    what a static program's method reads per attention kind, `static_cache_keys`; None: only
+    what each row attends to). A KV-shared layer's rows also attend to all the call's rows."""
+    work = Work(rows=len(positions))
+    for spec in cfg.layers:
+        shared = spec.index >= cfg.first_shared_layer
+        rows = positions[len(positions) - shared_rows :] if shared else positions
+        if not rows:
+            continue
+        n = None if cache_keys is None else cache_keys[spec.attention]
+        keys = None if n is None else n + len(positions)
+        cache = kv_read_bytes(cfg, spec, rows, n, cache_itemsize)
+        weights = layer_weights(cfg, spec) * bits / 8
+        work += Work(layer_flops(cfg, spec, rows, keys), weights, cache)
+    if cfg.hidden_size_per_layer_input:  # the per-layer input projection (model level)
+        n = cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
+        work += Work(2 * n * len(positions), n * bits / 8)
+    if logits_rows:
+        head = cfg.hidden_size * cfg.vocab_size
+        work += Work(2 * head * logits_rows, head * bits / 8)
+    return work
+
+
+def draft_work(
+    drafter: AssistantConfig,
+    target: TextConfig,
+    position: int,
+    bits: float,
+    cache_keys: dict[str, int] | None = None,
+    full_head: bool = False,
+    itemsize: int = 4,
+) -> Work:
+    """One drafter step at `position`: its projections and layers (reading the target's store
+    caches: what it attends to, or every slot in a static program) and its head: clustered
+    (centroids + the top-k clusters' rows), or every vocabulary row (a dense head, or an int4
+    clustered head that computes them all and keeps the top clusters' logits)."""
+    text, backbone = drafter.text, drafter.backbone_hidden_size
+    n = 2 * backbone * text.hidden_size + text.hidden_size * backbone  # pre/post projections
+    work = Work(2 * n, n * bits / 8, rows=1)
+    stores = target.store_layers
+    for spec in text.layers:
+        store = target.layers[stores[spec.attention]]
+        keys = None if cache_keys is None else cache_keys[spec.attention]
+        read = attended(spec, text, position) if keys is None else keys
+        cache = 2 * read * store.num_kv_heads * store.head_dim * itemsize
+        flops = layer_flops(text, spec, range(position, position + 1), keys)
+        work += Work(flops, layer_weights(text, spec) * bits / 8, cache)
+    h = text.hidden_size
+    if not drafter.use_ordered_embeddings:
+        rows = text.vocab_size
+    elif full_head:
+        rows = drafter.num_centroids + text.vocab_size
+    else:
+        rows = drafter.num_centroids + drafter.centroid_top_k * drafter.tokens_per_centroid
+    return work + Work(2 * h * rows, h * rows * bits / 8)

@@ -1,0 +1,353 @@
+"""The host-side simulator: speed, energy and memory of a bundle (or a preset) on a device
+profile, from first principles.
+
+Each program call is priced as a roofline plus dispatch:
+
+    seconds = max(bytes / sustained bandwidth, FLOPs / peak throughput of the compute dtype)
+              + launches x dispatch cost
+
+with the bytes and FLOPs of that very call (`model.cost`: every weight read once per call, the
+K/V each row reads, matmul FLOPs) and its launches (one per operator on a "kernel" delegate,
+one per call on a "graph" delegate). Prefill runs chunk by chunk with the KV-shared layers
+pruned from every chunk but the last (as the exported methods do). A decode round at depth k
+costs k drafter steps plus one verify of k + 1 rows and commits E_k tokens on average,
+E_k = 1 + sum_{j<=k} prod_{i<=j} a_i, from per-position acceptance a_i (a measured trace, or a
+mean with a per-position decay). Decode speed at depth k is E_k / round time, at the middle of
+the generated span. Energy is (idle + active power) x time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgemtp.devices.profiles import DelegateProfile, DeviceProfile
+from edgemtp.errors import EdgeMTPError
+from edgemtp.model.config import AssistantConfig, TextConfig
+from edgemtp.model.cost import (
+    BITS_PER_WEIGHT,
+    Work,
+    draft_work,
+    forward_work,
+    layer_weights,
+    static_cache_keys,
+)
+from edgemtp.runtime.kv_cache import cache_bytes, cache_slots
+
+# Operators per decoder layer in an exported XNNPACK program, when no bundle says (the PEER-90M
+# ExecuTorch export: 2139 delegated + 149 portable nodes in verify_0 over 12 layers).
+OPS_PER_LAYER = 190
+# Compute dtype of each delegate's int4 linears: XNNPACK's 8da4w quantizes activations to int8;
+# GPUs and the ANE compute fp16; the HTP int8. W4A16 on a CPU computes in fp32.
+COMPUTE_DTYPE = {"cpu": "int8", "gpu": "fp16", "metal": "fp16", "npu": "fp16", "htp": "int8"}
+RUNTIME_OVERHEAD_MB = 150.0  # the runtime itself (ExecuTorch, Python host), an estimate
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the simulator needs to know about a bundle or a preset."""
+
+    target: TextConfig
+    drafter: AssistantConfig | None
+    quant: str
+    chunk: int
+    max_context: int
+    program_bytes: float  # weights as stored on the device (program + tables)
+    launches: dict[str, int] = field(default_factory=dict)  # method -> operators, from a bundle
+    source: str = ""
+    verify_depths: tuple[int, ...] = ()  # a bundle's verify methods (shallower rounds are padded)
+    max_draft: int = 0
+    buckets: tuple[int, ...] = ()  # context buckets (`StaticShapes.context_buckets`)
+    full_drafter_head: bool = False  # an int4 clustered head computes every vocabulary row
+
+    def cache_keys(self, end: int | None = None) -> dict[str, int]:
+        """Cache keys per attention kind a method reads for rows ending before `end` (None:
+        a method without buckets, e.g. prefill)."""
+        slots = cache_slots(self.target, self.max_context, self.max_draft)
+        bucket = next((b for b in self.buckets if end is not None and end <= b), None)
+        return static_cache_keys(slots, bucket)
+
+    def verify(self, depth: int) -> tuple[str, int]:
+        """The verify method a round of `depth` drafts runs, and the rows it computes."""
+        d = min((v for v in self.verify_depths if v >= depth), default=depth)
+        return f"verify_{d}", d + 1
+
+    @property
+    def bits(self) -> float:
+        return BITS_PER_WEIGHT[self.quant]
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """a_i: probability that draft i is accepted given drafts 1..i-1 were."""
+
+    per_position: tuple[float, ...]
+    source: str
+
+    def rate(self, i: int) -> float:
+        if not self.per_position:
+            return 0.0
+        return self.per_position[min(i, len(self.per_position)) - 1]
+
+    def expected_tokens(self, depth: int) -> float:
+        total, reach = 1.0, 1.0
+        for i in range(1, depth + 1):
+            reach *= self.rate(i)
+            total += reach
+        return total
+
+
+def mean_acceptance(mean: float, decay: float, depth: int) -> Acceptance:
+    if not (0 <= mean <= 1 and 0 < decay <= 1):
+        raise EdgeMTPError(
+            f"--acceptance {mean}:{decay}: give a rate in [0, 1] and a decay in (0, 1]"
+        )
+    rates = tuple(mean * decay ** (i - 1) for i in range(1, max(depth, 1) + 1))
+    return Acceptance(rates, f"mean {mean} for draft 1, x{decay} per later position")
+
+
+def trace_acceptance(path: Path) -> Acceptance:
+    """Per-position acceptance from `edgemtp generate --json` output (its `trace` of rounds)."""
+    try:
+        payload = json.loads(Path(path).read_text())
+        steps = [s for s in payload["trace"] if s["kind"] == "decode"]
+        pairs = [(int(s["drafted"]), int(s["accepted"])) for s in steps]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise EdgeMTPError(
+            f"{path}: not an `edgemtp generate --json` output with a trace ({err}); pass a mean "
+            "acceptance instead, e.g. --acceptance 0.7"
+        ) from None
+    depth = max((k for k, _ in pairs), default=0)
+    if depth == 0:
+        raise EdgeMTPError(f"{path}: no round in this trace drafted; run generate with --mtp 1+")
+    rates = []
+    for i in range(1, depth + 1):
+        tried = sum(1 for k, n in pairs if k >= i and n >= i - 1)
+        accepted = sum(1 for k, n in pairs if k >= i and n >= i)
+        rates.append(accepted / tried if tried else (rates[-1] if rates else 0.0))
+    return Acceptance(tuple(rates), f"measured: {len(pairs)} rounds of {path}")
+
+
+@dataclass
+class Prediction:
+    prefill_tok_s: float
+    ttft_s: float
+    decode_tok_s: dict[int, float]
+    best_depth: int
+    energy_j_per_token: float
+    battery_pct_per_1k_tokens: float | None
+    peak_memory_mb: float
+    round_ms: dict[int, float]
+    draft_ms: float  # one drafter step
+    expected_tokens: dict[int, float]
+    assumptions: dict[str, Any]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "prefill_tok_s": self.prefill_tok_s,
+            "ttft_s": self.ttft_s,
+            "decode_tok_s": {str(k): v for k, v in self.decode_tok_s.items()},
+            "best_depth": self.best_depth,
+            "energy_j_per_token": self.energy_j_per_token,
+            "battery_pct_per_1k_tokens": self.battery_pct_per_1k_tokens,
+            "peak_memory_mb": self.peak_memory_mb,
+            "round_ms": {str(k): v for k, v in self.round_ms.items()},
+            "draft_step_ms": self.draft_ms,
+            "expected_tokens_per_round": {str(k): v for k, v in self.expected_tokens.items()},
+            "assumptions": self.assumptions,
+        }
+
+
+def compute_dtype(unit: DelegateProfile, delegate: str, quant: str) -> str:
+    wanted = "fp32" if (delegate == "cpu" and quant == "w4a16") else COMPUTE_DTYPE[delegate]
+    if wanted in unit.peak_tops:
+        return wanted
+    return max(unit.peak_tops, key=unit.peak_tops.__getitem__)  # the unit's fastest path
+
+
+def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> float:
+    """Roofline plus dispatch for one program call."""
+    memory = work.bytes / (unit.memory_bandwidth_gbs * 1e9)
+    compute = work.flops / (unit.peak_tops[dtype] * 1e12)
+    dispatches = launches if unit.dispatch_unit == "kernel" else 1
+    return max(memory, compute) + dispatches * unit.dispatch_us * 1e-6
+
+
+def _launches(model: Model, method: str, layers: int) -> int:
+    return model.launches.get(method) or OPS_PER_LAYER * layers
+
+
+def simulate(
+    model: Model,
+    device: DeviceProfile,
+    delegate: str,
+    depths: tuple[int, ...],
+    acceptance: Acceptance,
+    prompt: int,
+    gen: int,
+) -> Prediction:
+    if delegate not in device.delegates:
+        raise EdgeMTPError(
+            f"{device.name} has no '{delegate}' delegate in its profile (it has "
+            f"{', '.join(device.delegates)})"
+        )
+    if depths != (0,) and model.drafter is None:
+        raise EdgeMTPError("MTP depths need a drafter; this model has none (use --mtp 0)")
+    if prompt + gen + max(depths) + 1 > model.max_context:
+        raise EdgeMTPError(
+            f"--prompt {prompt} + --gen {gen} do not fit the context of {model.max_context}"
+        )
+    unit = device.delegates[delegate]
+    dtype = compute_dtype(unit, delegate, model.quant)
+    cfg, bits = model.target, model.bits
+    layers = cfg.num_layers
+
+    prefill_s = 0.0
+    for start in range(0, prompt, model.chunk):
+        rows = range(start, min(start + model.chunk, prompt))
+        last = rows.stop == prompt
+        work = forward_work(cfg, rows, int(last), int(last), bits, model.cache_keys())
+        method = "prefill_final" if last else "prefill_intermediate"
+        owned = layers if last else cfg.first_shared_layer
+        prefill_s += call_seconds(work, unit, dtype, _launches(model, method, owned))
+
+    middle = prompt + gen // 2
+    round_s: dict[int, float] = {}
+    draft_s = 0.0
+    if model.drafter is not None:
+        head = model.full_drafter_head
+        step = draft_work(model.drafter, cfg, middle, bits, model.cache_keys(middle), head)
+        n = model.drafter.text.num_layers
+        draft_s = call_seconds(step, unit, dtype, _launches(model, "draft_step", n))
+    for k in depths:
+        method, rows = model.verify(k)
+        keys = model.cache_keys(middle + rows)
+        verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
+        seconds = call_seconds(verify, unit, dtype, _launches(model, method, layers))
+        round_s[k] = seconds + k * draft_s
+    expected = {k: acceptance.expected_tokens(k) for k in depths}
+    decode = {k: expected[k] / round_s[k] for k in depths}
+    best = max(decode, key=lambda k: (decode[k], -k))
+    power = unit.idle_w + unit.active_w
+    joules = power / decode[best]
+    battery = None
+    if device.battery_wh:
+        battery = 1000 * joules / (device.battery_wh * 3600) * 100
+    cache = cache_bytes(cfg, model.max_context, max(depths))
+    peak_mb = (model.program_bytes + cache) / 2**20 + RUNTIME_OVERHEAD_MB
+    return Prediction(
+        prefill_tok_s=prompt / prefill_s,
+        ttft_s=prefill_s,
+        decode_tok_s=decode,
+        best_depth=best,
+        energy_j_per_token=joules,
+        battery_pct_per_1k_tokens=battery,
+        peak_memory_mb=peak_mb,
+        round_ms={k: 1000 * s for k, s in round_s.items()},
+        draft_ms=1000 * draft_s,
+        expected_tokens=expected,
+        assumptions={
+            "device": f"{device.name} ({device.key})",
+            "delegate": f"{delegate}: {unit.unit}",
+            "model": model.source,
+            "compute_dtype": dtype,
+            "memory_bandwidth_gbs": unit.memory_bandwidth_gbs,
+            "peak_tops": unit.peak_tops[dtype],
+            "dispatch": f"{unit.dispatch_us} us per {unit.dispatch_unit}",
+            "launches": "from the bundle's methods"
+            if model.launches
+            else f"{OPS_PER_LAYER} operators per layer (PEER-90M XNNPACK export)",
+            "acceptance": acceptance.source,
+            "decode_position": middle,
+            "power_w": power,
+            "peak_memory": f"program and tables {model.program_bytes / 2**20:.0f} MiB + KV "
+            f"cache {cache / 2**20:.0f} MiB + runtime {RUNTIME_OVERHEAD_MB:.0f} MiB (estimate)",
+            "estimated_profile_numbers": device.estimates(),
+        },
+    )
+
+
+def stored_bytes(cfg: TextConfig, drafter: AssistantConfig | None, quant: str) -> float:
+    """Weights of a preset as a bundle stores them: int4 linears and LM head, Q4_0 token table
+    (the tied head), int8 per-layer table."""
+    bits = BITS_PER_WEIGHT[quant]
+    linears = sum(layer_weights(cfg, spec) for spec in cfg.layers)
+    if cfg.hidden_size_per_layer_input:
+        linears += cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
+    table = cfg.vocab_size * cfg.hidden_size * BITS_PER_WEIGHT["q4_0"] / 8
+    ple = cfg.vocab_size_per_layer_input * cfg.num_layers * cfg.hidden_size_per_layer_input
+    total = linears * bits / 8 + table + ple
+    if drafter is not None:
+        text = drafter.text
+        total += sum(layer_weights(text, s) for s in text.layers) * bits / 8
+        total += 3 * drafter.backbone_hidden_size * text.hidden_size * bits / 8
+    return total
+
+
+def model_from_bundle(bundle: Path) -> Model:
+    """A bundle's configs, shapes, stored bytes and the operators of each of its methods."""
+    from edgemtp.export.bundle import read_manifest
+    from edgemtp.model.checkpoint import drafter_config, target_config
+
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    cfg = target_config(json.loads((bundle / "config.json").read_text()), str(bundle))
+    drafter = None
+    if manifest["drafter"]:
+        raw = json.loads((bundle / manifest["drafter"]["config"]).read_text())
+        drafter = drafter_config(raw, str(bundle))
+    delegation = manifest["backend_details"].get("delegation", {})
+    launches = {
+        name: int(d.get("delegated_nodes", 0)) + int(d.get("portable_nodes", 0))
+        for name, d in delegation.items()
+        if isinstance(d, dict)
+    }
+    scheme = manifest["quantization"]["scheme"]
+    quant = scheme if scheme in BITS_PER_WEIGHT else "fp32" if scheme == "none" else "q4_0"
+    shapes = manifest["shapes"]
+    return Model(
+        cfg,
+        drafter,
+        quant,
+        shapes["chunk"],
+        shapes["max_context"],
+        sum(f["bytes"] for f in manifest["files"].values()),
+        launches,
+        f"bundle {bundle} ({manifest['backend']}/{manifest['delegate']}, {scheme})",
+        tuple(sorted(int(n.split("_")[1]) for n in manifest["methods"] if _is_verify(n))),
+        shapes["max_draft"],
+        tuple(shapes["context_buckets"]),
+        "over the vocabulary" in manifest["numerics"].get("drafter_head", ""),
+    )
+
+
+def _is_verify(method: str) -> bool:
+    return method.startswith("verify_") and "_ctx" not in method
+
+
+def model_from_preset(
+    preset: str,
+    quant: str,
+    max_context: int,
+    chunk: int,
+    max_draft: int = 4,
+    buckets: tuple[int, ...] = (),
+) -> Model:
+    """A full-size preset (e2b, e4b, ...) with its assistant, as an export would store it
+    (`buckets`: the context buckets an ExecuTorch cpu export gets)."""
+    from edgemtp.model.checkpoint import drafter_config, target_config
+    from edgemtp.model.synth import PRESETS, preset_config
+
+    if preset not in PRESETS:
+        raise EdgeMTPError(f"unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
+    cfg = target_config(preset_config(preset), preset)
+    drafter = None
+    if f"{preset}-assistant" in PRESETS:
+        drafter = drafter_config(preset_config(f"{preset}-assistant"), preset)
+    stored = stored_bytes(cfg, drafter, quant)
+    depth = max_draft if drafter is not None else 0
+    source = f"preset {preset} {quant}, as exported with --max-context {max_context}"
+    return Model(cfg, drafter, quant, chunk, max_context, stored, {}, source, (0, depth), depth,
+                 buckets)  # fmt: skip

@@ -1,0 +1,205 @@
+"""The simulator's inputs and arithmetic against independent oracles: torch's FLOP counter on the
+very static methods we export, the parameter count of the loaded model, hand-worked rooflines,
+acceptance counted from a trace by hand, and the adaptive runtime's own choice of depth."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from edgemtp.cli import main
+from edgemtp.devices.profiles import DelegateProfile, load_profile
+from edgemtp.devices.simulator import (
+    call_seconds,
+    mean_acceptance,
+    model_from_preset,
+    simulate,
+    trace_acceptance,
+)
+from edgemtp.errors import EdgeMTPError
+from edgemtp.export.static import StaticBundle, StaticShapes
+from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.model.cost import Work, draft_work, forward_work, layer_weights, static_cache_keys
+from edgemtp.model.synth import write_preset
+from edgemtp.runtime.adaptive import AdaptiveDepth
+from edgemtp.runtime.generate import Step
+
+SHAPES = StaticShapes(max_context=96, max_draft=3, chunk=8, context_buckets=(24,))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sim")
+    target = load_target(write_preset("tiny", root / "t", init_std=0.05))
+    drafter = load_drafter(write_preset("tiny-assistant", root / "a", init_std=0.05), target.cfg)
+    return target, drafter
+
+
+def _mv_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1]  # the counter has no formula for a matrix-vector product
+
+
+def _counted(module, inputs) -> int:
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.mv: _mv_flops})
+    with torch.no_grad(), counter:
+        module(*inputs)
+    return counter.get_total_flops()
+
+
+def test_method_flops_equal_torch_flop_counter(pair):
+    """Every exported method's matmul FLOPs, bucketed ones included, as torch counts them on the
+    eager static methods (the graphs `export` lowers)."""
+    target, drafter = pair
+    bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
+    cfg, slots = target.cfg, bundle.cache.slots
+    whole, bucket = static_cache_keys(slots), static_cache_keys(slots, 24)
+    expected = {
+        "prefill_intermediate": forward_work(cfg, range(8), 0, 0, 4.5, whole).flops,
+        "prefill_final": forward_work(cfg, range(8), 1, 1, 4.5, whole).flops,
+        "verify_0": forward_work(cfg, range(1), 1, 1, 4.5, whole).flops,
+        "verify_3": forward_work(cfg, range(4), 4, 4, 4.5, whole).flops,
+        "verify_0_ctx24": forward_work(cfg, range(1), 1, 1, 4.5, bucket).flops,
+        "verify_3_ctx24": forward_work(cfg, range(4), 4, 4, 4.5, bucket).flops,
+        "draft_step": draft_work(drafter.cfg, cfg, 1, 4.5, whole).flops,
+        "draft_step_ctx24": draft_work(drafter.cfg, cfg, 1, 4.5, bucket).flops,
+    }
+    methods = bundle.methods()
+    assert set(methods) == set(expected)
+    for name, (module, inputs) in methods.items():
+        assert _counted(module, inputs) == expected[name], name
+
+
+def test_weights_per_call_equal_the_model_parameters(pair):
+    """Weight bytes of a verify call = every linear of the loaded target (and the LM head) at the
+    scheme's bits; a drafter step = the drafter's linears, its head rows as clustered."""
+    target, drafter = pair
+    cfg = target.cfg
+    linear = sum(m.weight.numel() for m in target.model.modules() if isinstance(m, torch.nn.Linear))
+    assert forward_work(cfg, range(1), 1, 1, 8.0).weight_bytes == linear
+    assert sum(layer_weights(cfg, s) for s in cfg.layers) < linear  # the head is on top
+    d = drafter.model
+    body = sum(m.weight.numel() for n, m in d.named_modules()
+               if isinstance(m, torch.nn.Linear) and n != "lm_head")  # fmt: skip
+    a = drafter.cfg
+    kept = a.centroid_top_k * a.tokens_per_centroid * a.text.hidden_size
+    assert draft_work(a, cfg, 5, 8.0).weight_bytes == body + kept
+    full = draft_work(a, cfg, 5, 8.0, full_head=True).weight_bytes
+    assert full == body + a.text.vocab_size * a.text.hidden_size
+
+
+def _unit(**changes) -> DelegateProfile:
+    base = DelegateProfile(
+        name="cpu",
+        unit="test",
+        dispatch_unit="kernel",
+        memory_bandwidth_gbs=10.0,
+        peak_memory_bandwidth_gbs=20.0,
+        peak_tops={"int8": 1.0, "fp32": 0.25},
+        dispatch_us=2.0,
+        active_w=3.0,
+        idle_w=1.0,
+    )
+    return replace(base, **changes)
+
+
+def test_call_seconds_is_roofline_plus_dispatch():
+    unit = _unit()
+    memory_bound = Work(flops=1e9, weight_bytes=1e8)  # 10 ms reading, 1 ms computing
+    assert call_seconds(memory_bound, unit, "int8", 100) == pytest.approx(0.010 + 100 * 2e-6)
+    compute_bound = Work(flops=4e10, weight_bytes=1e8)  # 40 ms of int8 compute
+    assert call_seconds(compute_bound, unit, "int8", 0) == pytest.approx(0.040)
+    assert call_seconds(compute_bound, unit, "fp32", 0) == pytest.approx(0.160)
+    graph = _unit(dispatch_unit="graph", dispatch_us=300.0)  # one dispatch per call
+    assert call_seconds(memory_bound, graph, "int8", 5000) == pytest.approx(0.010 + 300e-6)
+
+
+def test_acceptance_from_a_trace_counted_by_hand(tmp_path):
+    # rounds (drafted, accepted): draft 1 tried 4 times, accepted 3; draft 2 tried 3, accepted 1
+    rounds = [(2, 2), (2, 1), (2, 0), (1, 1), (0, 0)]
+    trace = [{"kind": "prefill", "drafted": 0, "accepted": 0}]
+    trace += [{"kind": "decode", "drafted": k, "accepted": n} for k, n in rounds]
+    (tmp_path / "run.json").write_text(json.dumps({"trace": trace}))
+    acc = trace_acceptance(tmp_path / "run.json")
+    assert acc.per_position == pytest.approx((3 / 4, 1 / 2))
+    assert acc.expected_tokens(2) == pytest.approx(1 + 3 / 4 + 3 / 8)
+    assert mean_acceptance(0.8, 0.5, 3).per_position == pytest.approx((0.8, 0.4, 0.2))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(EdgeMTPError, match="not an `edgemtp generate --json` output"):
+        trace_acceptance(tmp_path / "bad.json")
+
+
+def _adaptive_choice(prediction, acceptance, rounds: int = 300) -> int:
+    """Feed the runtime's adaptive policy the simulated round costs and an acceptance process
+    with the simulated rates (deterministic: draft i accepted in a_i of the rounds); the depth it
+    settles on."""
+    depths = sorted(prediction.round_ms)
+    policy = AdaptiveDepth(max(depths), lambda k: f"verify_{k}")
+    draft_ms = prediction.draft_ms
+    credit = [0.0] * (max(depths) + 1)
+    chosen = []
+    for _ in range(rounds):
+        k = policy.choose(max(depths))
+        accepted = 0
+        for i in range(1, k + 1):
+            credit[i] += acceptance.rate(i)
+            if credit[i] < 1:
+                break
+            credit[i] -= 1
+            accepted = i
+        step = Step("decode", 0, k + 1, drafted=k, accepted=accepted, committed=accepted + 1)
+        step.seconds = {"drafter": k * draft_ms / 1000, "total": prediction.round_ms[k] / 1000}
+        policy.observe(step)
+        chosen.append(k)
+    tail = chosen[rounds // 2 :]
+    return max(set(tail), key=tail.count)
+
+
+def test_mtp_loses_where_verifying_more_rows_is_dear_and_the_runtime_agrees(pair):
+    """A device whose verify cost grows steeply with rows (compute-bound, as reported for a
+    PowerVR GPU) makes MTP slower than AR even at 70 % acceptance; on a bandwidth-bound one the
+    same model and acceptance gain. The adaptive runtime, fed the simulated costs, picks the
+    same depth as the simulator's best."""
+    model = replace(model_from_preset("e2b", "q4_0", 4096, 128, max_draft=3), verify_depths=())
+    profile = load_profile("galaxy-s26-ultra")
+    acceptance = mean_acceptance(0.7, 0.9, 3)
+    steep = _unit(dispatch_unit="graph", memory_bandwidth_gbs=60.0, peak_tops={"fp16": 0.05})
+    flat = _unit(dispatch_unit="graph", memory_bandwidth_gbs=60.0, peak_tops={"fp16": 50.0})
+    results = {}
+    for name, unit in (("steep", steep), ("flat", flat)):
+        device = replace(profile, delegates={"gpu": replace(unit, name="gpu")})
+        results[name] = simulate(model, device, "gpu", (0, 1, 2, 3), acceptance, 256, 128)
+    steep_r, flat_r = results["steep"], results["flat"]
+    assert steep_r.round_ms[3] > 3 * steep_r.round_ms[0]  # cost grows with the rows
+    assert steep_r.best_depth == 0 and steep_r.decode_tok_s[3] < steep_r.decode_tok_s[0]
+    assert flat_r.best_depth == 3 and flat_r.decode_tok_s[3] > 1.5 * flat_r.decode_tok_s[0]
+    assert _adaptive_choice(steep_r, acceptance) == 0
+    assert _adaptive_choice(flat_r, acceptance) == 3
+
+
+def test_simulate_on_the_command_line(capsys):
+    code = main(
+        ["simulate", "--preset", "e2b", "--device", "pixel-10-pro", "--delegate", "cpu",
+         "--mtp", "0,2", "--acceptance", "0.7:0.9", "--json"]
+    )  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert set(out) >= {
+        "prefill_tok_s", "ttft_s", "decode_tok_s", "best_depth", "energy_j_per_token",
+        "battery_pct_per_1k_tokens", "peak_memory_mb", "assumptions",
+    }  # fmt: skip
+    assert set(out["decode_tok_s"]) == {"0", "2"} and out["best_depth"] in (0, 2)
+    assert out["ttft_s"] == pytest.approx(512 / out["prefill_tok_s"])
+    rate = out["decode_tok_s"][str(out["best_depth"])]
+    device = load_profile("pixel-10-pro")
+    watts = device.delegates["cpu"].idle_w + device.delegates["cpu"].active_w
+    assert out["energy_j_per_token"] == pytest.approx(watts / rate)
+    assert out["battery_pct_per_1k_tokens"] == pytest.approx(
+        1000 * out["energy_j_per_token"] / (device.battery_wh * 3600) * 100
+    )
+    assert main(["simulate", "--preset", "e2b", "--device", "raspberry-pi-5", "--delegate",
+                 "npu"]) == 1  # fmt: skip
+    assert "has no 'npu' delegate" in capsys.readouterr().err
