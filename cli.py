@@ -1,5 +1,5 @@
 """`edgemtp` command line: generate, synth, quantize, quantize-report, export, distill,
-train-target, demo, simulate."""
+train-target, demo, simulate, devices."""
 
 from __future__ import annotations
 
@@ -257,6 +257,43 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--gen", type=int, default=128, help="generated tokens")
     p.add_argument("--json", action="store_true", help="print the prediction as one JSON object")
+
+
+def _add_devices(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("devices", help="device profiles: list them, calibrate this host")
+    what = p.add_subparsers(dest="devices_command", required=True)
+    what.add_parser("list", help="the device profiles and their delegates")
+    cal = what.add_parser("calibrate", help="measure this machine and write its profile")
+    cal.add_argument("--threads", type=int, default=2, help="threads to measure with")
+    cal.add_argument(
+        "--out", type=Path, help="profile file (default: ~/.cache/edgemtp/profiles/host.toml)"
+    )
+    cal.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # small sizes: tests
+
+
+def run_devices(args: argparse.Namespace) -> int:
+    from edgemtp.devices.profiles import USER_PROFILE_DIR, list_profiles, load_profile
+
+    if args.devices_command == "list":
+        for name in list_profiles():
+            profile = load_profile(name)
+            delegates = ", ".join(profile.delegates)
+            print(f"{name:22s} {profile.name} ({delegates}; {len(profile.estimates())} estimates)")
+        return 0
+    from edgemtp.devices.calibrate import calibrate
+
+    _check_positive("--threads", args.threads)
+    out = args.out or USER_PROFILE_DIR / "host.toml"
+    say = lambda m: print(f"-- {m}", file=sys.stderr, flush=True)  # noqa: E731
+    text = calibrate(args.threads, say, quick=args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial")
+    tmp.write_text(text)
+    load_profile(tmp)  # what was measured reads back as a profile
+    tmp.replace(out)
+    print(text, end="")
+    print(f"wrote {out} (edgemtp simulate --device {out.stem if not args.out else out})")
+    return 0
 
 
 def _acceptance(text: str, depth: int) -> Any:
@@ -778,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_train_target(sub)
     _add_demo(sub)
     _add_simulate(sub)
+    _add_devices(sub)
     args = parser.parse_args(argv)
     commands = {
         "generate": run_generate,
@@ -788,6 +826,7 @@ def main(argv: list[str] | None = None) -> int:
         "distill": run_distill,
         "demo": run_demo,
         "simulate": run_simulate,
+        "devices": run_devices,
     }
     # a killed export or quantize cleans up as after Ctrl-C
     terminate = signal.signal(signal.SIGTERM, _interrupt)

@@ -47,6 +47,7 @@ from typing import Any
 from edgemtp.errors import EdgeMTPError, malformed_input
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
+USER_PROFILE_DIR = Path.home() / ".cache" / "edgemtp" / "profiles"  # `devices calibrate` writes
 DELEGATES = ("cpu", "gpu", "metal", "npu", "htp")
 DTYPES = ("int4", "int8", "fp16", "fp32")
 DISPATCH_UNITS = ("kernel", "graph")
@@ -105,8 +106,8 @@ class DeviceProfile:
 
 
 def list_profiles() -> list[str]:
-    """Names `load_profile` accepts: the stems of the shipped `profiles/*.toml`."""
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+    """Names `load_profile` accepts: the shipped `profiles/*.toml` and the calibrated ones."""
+    return sorted({p.stem for d in (PROFILE_DIR, USER_PROFILE_DIR) for p in d.glob("*.toml")})
 
 
 def load_profile(name_or_path: str | Path) -> DeviceProfile:
@@ -125,6 +126,8 @@ def _resolve(name_or_path: str | Path) -> Path:
             raise EdgeMTPError(f"{path}: no such device profile file")
         return path
     path = PROFILE_DIR / f"{text}.toml"
+    if not path.is_file():
+        path = USER_PROFILE_DIR / f"{text}.toml"
     if not path.is_file():
         raise EdgeMTPError(
             f"unknown device profile {text!r}; known: {', '.join(list_profiles())} "

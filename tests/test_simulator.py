@@ -203,3 +203,28 @@ def test_simulate_on_the_command_line(capsys):
     assert main(["simulate", "--preset", "e2b", "--device", "raspberry-pi-5", "--delegate",
                  "npu"]) == 1  # fmt: skip
     assert "has no 'npu' delegate" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
+    out = tmp_path / "host.toml"
+    assert main(["devices", "calibrate", "--threads", "1", "--quick", "--out", str(out)]) == 0
+    capsys.readouterr()
+    host = load_profile(out)
+    cpu = host.delegates["cpu"]
+    assert cpu.threads == 1 and host.battery_wh is None
+    assert 0 < cpu.memory_bandwidth_gbs <= cpu.peak_memory_bandwidth_gbs
+    assert set(cpu.peak_tops) == {"int8", "fp16", "fp32"} and cpu.dispatch_us > 0
+    measured = [k for k, (src, _) in host.sources.items() if src.startswith("measured")]
+    assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us"} <= set(measured)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host.toml"]  # no partial file left
+    argv = ["simulate", "--preset", "e2b", "--device", str(out), "--delegate", "cpu", "--mtp",
+            "0", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["best_depth"] == 0
+
+
+def test_devices_list_names_every_shipped_profile(capsys):
+    assert main(["devices", "list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    for name in ("galaxy-s26-ultra", "pixel-10-pro", "iphone-17-pro", "raspberry-pi-5"):
+        assert name in listed
