@@ -1,11 +1,11 @@
 """`edgemtp devices calibrate`: measure this machine and write its device profile.
 
 What is measured (each a median of several runs, with the threads the runtime would use):
-- sustained memory bandwidth: summing a 512 MiB float32 array (read-only streaming, as a decode
-  step reads its weights); the best run is kept as the profile's peak, since the bus's
-  theoretical peak is not known here;
-- peak matmul throughput per dtype: torch's CPU GEMMs (fp32 and fp16 `mm`, int8 `_int_mm`) at
-  1024^3 (fp16 512^3) — what this host's libraries reach, not the silicon's datasheet;
+- sustained memory bandwidth: one row through an XNNPACK int4 linear of 32 MiB, as a decode step
+  streams its weights (the runtime's own kernel: a plain array sum reads slower than XNNPACK's
+  GEMV); the best run is kept as the profile's peak, the bus's theoretical peak is unknown here;
+- peak matmul throughput per dtype: the runtime's GEMMs — XNNPACK 8da4w (int8 x int4) and fp32
+  linears on 256 rows; fp16 through torch (ExecuTorch's CPU programs have none);
 - dispatch cost per operator: ExecuTorch programs of one and of 201 chained XNNPACK linears of
   64 x 64 on one row, run in this process: (t201 - t1) / 200;
 - power: RAPL, where readable, while idle and while the fp32 GEMM runs; elsewhere the profile
@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,30 +42,61 @@ def _median_seconds(run: Callable[[], object], repeat: int) -> list[float]:
     return times
 
 
-def memory_bandwidth(repeat: int = 7, floats: int = 2**27) -> tuple[float, float]:
-    """(median, best) GB/s of streaming reads (default 512 MiB: far past any cache)."""
-    data = torch.ones(floats)
-    times = _median_seconds(lambda: data.sum(), repeat)
-    return data.nbytes / statistics.median(times) / 1e9, data.nbytes / min(times) / 1e9
+def _xnnpack_program(module: torch.nn.Module, x: torch.Tensor) -> Any:
+    """`module` lowered to XNNPACK as export lowers the bundles, loaded for this process."""
+    from executorch.extension.pybindings import portable_lib
+
+    from edgemtp.export.lower import (
+        backend_config,
+        export_method,
+        lower_programs,
+        xnnpack_partitioner,
+    )
+
+    edge = lower_programs({"forward": export_method(module, (x,))}, lambda: [xnnpack_partitioner()])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "calibrate.pte"
+        path.write_bytes(edge.to_executorch(backend_config()).buffer)
+        return portable_lib._load_for_executorch(str(path))
 
 
-def matmul_tops(dtype: str, n: int = 1024, repeat: int = 5) -> float:
-    """Median T(FL)OPS of an n^3 GEMM in `dtype` ("fp32", "fp16", "int8")."""
-    if dtype == "int8":
-        a = torch.randint(-128, 127, (n, n), dtype=torch.int8)
-        b = torch.randint(-128, 127, (n, n), dtype=torch.int8)
-        run: Callable[[], object] = lambda: torch._int_mm(a, b)  # noqa: E731
-    else:
-        kind = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
-        a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
-        run = lambda: a @ b  # noqa: E731
-    return 2 * n**3 / statistics.median(_median_seconds(run, repeat)) / 1e12
+def _int4_linear(n_in: int, n_out: int) -> torch.nn.Module:
+    from edgemtp.export.executorch import Int4Linear
+
+    codes = torch.randint(-8, 8, (n_out, n_in), dtype=torch.int8)
+    scales = torch.rand(n_out, n_in // 32) * 0.01 + 0.001
+    return Int4Linear(codes, scales, torch.zeros_like(scales, dtype=torch.int8), 32)
 
 
-def _chain_program(ops: int, folder: Path) -> Path:
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
+def _call_seconds(program: Any, x: torch.Tensor, calls: int, repeat: int = 5) -> float:
+    times = _median_seconds(lambda: [program.forward((x,)) for _ in range(calls)], repeat)
+    return statistics.median(times) / calls
 
+
+def memory_bandwidth(n_in: int = 8192, n_out: int = 8192) -> tuple[float, float]:
+    """(median, best) GB/s the runtime's int4 GEMV streams weights at: one row through an
+    XNNPACK 8da4w linear of n_in x n_out (default 32 MiB of codes + 4 MiB of bf16 scales, past
+    the caches), as every decode step does."""
+    program = _xnnpack_program(_int4_linear(n_in, n_out), torch.randn(1, n_in))
+    weight_bytes = n_in * n_out / 2 + n_out * n_in / 32 * 2
+    times = _median_seconds(lambda: program.forward((torch.randn(1, n_in),)), 9)
+    return weight_bytes / statistics.median(times) / 1e9, weight_bytes / min(times) / 1e9
+
+
+def matmul_tops(dtype: str, n: int = 1024, rows: int = 256) -> float:
+    """T(FL)OPS of the runtime's GEMM for `dtype`: "int8" is XNNPACK's 8da4w (int8 activations
+    x int4 weights, as the Q4_0 bundles compute), "fp32" an fp32 XNNPACK linear, "fp16" torch's
+    CPU fp16 GEMM (ExecuTorch's CPU programs have no fp16 path)."""
+    flops = 2 * rows * n * n
+    if dtype == "fp16":
+        a, b = torch.randn(rows, n, dtype=torch.float16), torch.randn(n, n, dtype=torch.float16)
+        return flops / statistics.median(_median_seconds(lambda: a @ b, 3)) / 1e12
+    module = _int4_linear(n, n) if dtype == "int8" else torch.nn.Linear(n, n, bias=False)
+    x = torch.randn(rows, n)
+    return flops / _call_seconds(_xnnpack_program(module, x), x, 3) / 1e12
+
+
+def _chain(ops: int) -> torch.nn.Module:
     class Chain(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -75,11 +107,7 @@ def _chain_program(ops: int, folder: Path) -> Path:
                 x = self.linear(x)
             return x
 
-    exported = torch.export.export(Chain(), (torch.zeros(1, 64),))
-    program = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
-    path = folder / f"chain{ops}.pte"
-    path.write_bytes(program.to_executorch().buffer)
-    return path
+    return Chain()
 
 
 def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, float]:
@@ -87,17 +115,8 @@ def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, floa
     64 x 64 on one row: 8 k multiply-adds each, so what is left is an operator's fixed cost
     (setup, thread-pool dispatch). A chain of tiny adds would say 0.1 µs: XNNPACK runs those
     on one thread, where a model's GEMMs go through the thread pool."""
-    from executorch.extension.pybindings import portable_lib
-
-    portable_lib._unsafe_reset_threadpool(threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        modules = {n: portable_lib._load_for_executorch(str(_chain_program(n, Path(tmp))))
-                   for n in (1, 201)}  # fmt: skip
-        x = (torch.zeros(1, 64),)
-        per_call = {}
-        for n, module in modules.items():
-            times = _median_seconds(lambda m=module: [m.forward(x) for _ in range(calls)], 5)
-            per_call[n] = statistics.median(times) / calls
+    x = torch.zeros(1, 64)
+    per_call = {n: _call_seconds(_xnnpack_program(_chain(n), x), x, calls) for n in (1, 201)}
     return (per_call[201] - per_call[1]) / 200 * 1e6, per_call[1] * 1e6
 
 
@@ -145,14 +164,16 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     """Measure this machine; its profile as TOML text (`quick`: small sizes, for tests)."""
     when = time.strftime("%Y-%m-%d")
     src = f"{SOURCE} ({when})"
+    from executorch.extension.pybindings import portable_lib
+
     torch.set_num_threads(threads)
-    say("memory bandwidth (512 MiB reads)")
-    bw, best = memory_bandwidth(floats=2**22 if quick else 2**27)
+    portable_lib._unsafe_reset_threadpool(threads)
+    say("memory bandwidth (one row through a 32 MiB int4 XNNPACK linear)")
+    bw, best = memory_bandwidth(*((1024, 1024) if quick else (8192, 8192)))
     tops = {}
     for dtype in ("int8", "fp16", "fp32"):
         say(f"{dtype} GEMM throughput")
-        n = 128 if quick else 512 if dtype == "fp16" else 1024  # fp16 GEMMs are slow on x86
-        tops[dtype] = matmul_tops(dtype, n)
+        tops[dtype] = matmul_tops(dtype, *((128, 8) if quick else (1024, 256)))
     say("ExecuTorch dispatch (chains of 1 and 201 small XNNPACK linears)")
     per_op, per_call = executorch_dispatch_us(threads, 50 if quick else 2000)
     say("power")
@@ -193,10 +214,15 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         'dispatch_unit = "kernel"',
         f"threads = {_entry(threads, src, 'the threads every measurement here ran with')}",
         "memory_bandwidth_gbs = "
-        + _entry(bw, src, "median of 7 timed sums of a 512 MiB float32 array (streaming reads)"),
+        + _entry(
+            bw,
+            src,
+            "weight bytes / time of one row through an XNNPACK int4 (8da4w) "
+            "linear 8192 x 8192 (32 MiB codes + 4 MiB bf16 scales), median of 9",
+        ),
         "peak_memory_bandwidth_gbs = "
         + _entry(
-            max(best, bw), src, "the best of the same 7 runs (this host's bus peak is unknown)"
+            max(best, bw), src, "the best of the same 9 runs (this host's bus peak is unknown)"
         ),
         "dispatch_us = "
         + _entry(
@@ -210,9 +236,11 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         "[delegates.cpu.peak_tops]",
     ]
     notes = {
-        "int8": "torch._int_mm, 1024^3 int8 GEMM, median of 5",
-        "fp16": "torch.mm in float16, 512^3, median of 5 (no fast fp16 path on most x86 CPUs)",
-        "fp32": "torch.mm in float32, 1024^3, median of 5",
+        "int8": "XNNPACK 8da4w linear 1024 x 1024 on 256 rows (int8 x int4, as Q4_0 bundles "
+        "compute), median of 3 x 3 calls",
+        "fp16": "torch.mm in float16, 256 x 1024 x 1024, median of 3 (ExecuTorch's CPU "
+        "programs have no fp16 path)",
+        "fp32": "XNNPACK fp32 linear 1024 x 1024 on 256 rows, median of 3 x 3 calls",
     }
     for dtype, value in tops.items():
         lines.append(f"{dtype} = {_entry(value, src, notes[dtype])}")
