@@ -195,6 +195,11 @@ def simulate(
         )
     if depths != (0,) and model.drafter is None:
         raise EdgeMTPError("MTP depths need a drafter; this model has none (use --mtp 0)")
+    if model.verify_depths and max(depths) > max(model.verify_depths):
+        raise EdgeMTPError(
+            f"--mtp {max(depths)}: this bundle verifies at most {max(model.verify_depths)} "
+            "drafts (export it with a larger --draft-depth)"
+        )
     if prompt + gen + max(depths) + 1 > model.max_context:
         raise EdgeMTPError(
             f"--prompt {prompt} + --gen {gen} do not fit the context of {model.max_context}"
