@@ -34,6 +34,7 @@ from edgemtp.model.cost import (
     layer_weights,
     static_cache_keys,
 )
+from edgemtp.runtime.adaptive import expected_committed
 from edgemtp.runtime.kv_cache import cache_bytes, cache_slots
 
 # Operators per decoder layer in an exported XNNPACK program, when no bundle says (the PEER-90M
@@ -92,11 +93,7 @@ class Acceptance:
         return self.per_position[min(i, len(self.per_position)) - 1]
 
     def expected_tokens(self, depth: int) -> float:
-        total, reach = 1.0, 1.0
-        for i in range(1, depth + 1):
-            reach *= self.rate(i)
-            total += reach
-        return total
+        return expected_committed(self.rate(i) for i in range(1, depth + 1))
 
 
 def mean_acceptance(mean: float, decay: float, depth: int) -> Acceptance:

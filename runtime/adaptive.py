@@ -17,7 +17,7 @@ probe costs one slower round in a few hundred; how soon depends on how cheap dra
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from edgemtp.runtime.generate import Step
 
@@ -30,6 +30,16 @@ from edgemtp.runtime.generate import Step
 # nearly the whole cost of adaptive mode.
 WARMUP = (1, 0, 1, 0)
 HISTORY = 7  # recent samples whose fastest is a cost
+
+
+def expected_committed(acceptance: Iterable[float]) -> float:
+    """Tokens a round commits on average, E_k = 1 + sum_j prod_{i<=j} a_i, from the
+    acceptance a_1..a_k of each draft given the ones before it were accepted."""
+    total, reach = 1.0, 1.0
+    for a in acceptance:
+        reach *= a
+        total += reach
+    return total
 
 
 class AdaptiveDepth:
@@ -60,11 +70,7 @@ class AdaptiveDepth:
         return (self.accepts[i] + a) / (self.trials[i] + t)
 
     def expected_tokens(self, k: int) -> float:
-        total, reach = 1.0, 1.0
-        for i in range(1, k + 1):
-            reach *= self.acceptance(i)
-            total += reach
-        return total
+        return expected_committed(self.acceptance(i) for i in range(1, k + 1))
 
     def _cost(self, samples: deque[float]) -> float:
         # The fastest recent round: other load on the machine and a method's one-off set-up on
