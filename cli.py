@@ -288,9 +288,12 @@ def run_devices(args: argparse.Namespace) -> int:
     text = calibrate(args.threads, say, quick=args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial")
-    tmp.write_text(text)
-    load_profile(tmp)  # what was measured reads back as a profile
-    tmp.replace(out)
+    try:
+        tmp.write_text(text)
+        load_profile(tmp)  # what was measured reads back as a profile
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(text, end="")
     print(f"wrote {out} (edgemtp simulate --device {out.stem if not args.out else out})")
     return 0
