@@ -70,6 +70,11 @@ class SamplingParams:
             raise EdgeMTPError(f"seed must be an integer or unset, got {self.seed!r}")
 
 
+# Top-p first looks at this many most likely tokens, and at more only when their mass falls
+# short: a full sort of Gemma 4's 262144 logits costs ~50 ms, a top-256 about 1 ms.
+TOP_P_CANDIDATES = 256
+
+
 def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     """Next-token distribution(s) for `logits` [..., V] as float32 [..., V]; rows are independent.
 
@@ -83,25 +88,53 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     scores = logits / params.temperature
+    if params.top_k == 0 and params.top_p == 1.0:
+        return _drop_below_min_p(scores, params.min_p).softmax(dim=-1)
+    rows = scores.reshape(-1, scores.shape[-1])
+    out = torch.zeros_like(rows)
+    for row, dest in zip(rows, out, strict=True):
+        kept = _kept_by_top_k_and_top_p(row, params)
+        dest.index_copy_(0, kept, _drop_below_min_p(row[kept], params.min_p).softmax(dim=-1))
+    return out.reshape(scores.shape)
+
+
+def _kept_by_top_k_and_top_p(row: Tensor, params: SamplingParams) -> Tensor:
+    """Indices of the tokens of one row [V] that top_k and then top_p keep."""
     if params.top_k > 0:
-        k = min(params.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if params.top_p < 1.0:
-        # As transformers' TopPLogitsWarper: in ascending order, drop every token whose cumulative
-        # mass (itself and all less likely tokens) is <= 1 - top_p; the most likely always stays.
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= (1 - params.top_p)
-        drop_sorted[..., -1:] = False
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, -math.inf)
-    if params.min_p > 0.0:
-        probs = scores.softmax(dim=-1)
-        drop = probs < params.min_p * probs.amax(dim=-1, keepdim=True)
-        drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
-        scores = scores.masked_fill(drop, -math.inf)
-    return scores.softmax(dim=-1)
+        kth = torch.topk(row, min(params.top_k, row.numel())).values[-1]
+        ids: Tensor | None = (row >= kth).nonzero().squeeze(-1)  # ties with the k-th stay
+        candidates = row[ids]
+    else:
+        ids, candidates = None, row
+    if params.top_p == 1.0:
+        assert ids is not None
+        return ids
+    # As transformers' TopPLogitsWarper, which drops every token whose ascending cumulative mass
+    # (itself and all less likely tokens) is <= 1 - top_p: in descending order, a token stays
+    # while the mass of the tokens before it is < top_p, so the most likely always stays.
+    log_total = candidates.logsumexp(dim=0)
+    size = candidates.numel()
+    k = min(TOP_P_CANDIDATES, size)
+    while True:
+        values, order = torch.topk(candidates, k)
+        mass = (values - log_total).exp()
+        before = torch.cat([mass.new_zeros(1), mass.cumsum(dim=0)[:-1]])
+        n = max(1, int((before < params.top_p).sum()))
+        if n < k or k == size:
+            kept = order[:n]
+            return kept if ids is None else ids[kept]
+        k = min(8 * k, size)
+
+
+def _drop_below_min_p(scores: Tensor, min_p: float) -> Tensor:
+    """`scores` [..., n] with -inf where a token's probability is below min_p times its row's
+    largest (the most likely token always stays)."""
+    if min_p == 0.0:
+        return scores
+    probs = scores.softmax(dim=-1)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+    return scores.masked_fill(drop, -math.inf)
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
@@ -117,10 +150,17 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     """One token id per row: probs [V] -> 0-d int64 tensor, probs [N, V] -> [N].
 
-    Rows need not be normalised (torch.multinomial normalises) but must be non-negative with a
-    positive sum.
+    Rows need not be normalised but must be non-negative with a positive sum. Inverse-CDF
+    sampling: one uniform draw per row against the running sum, 0.4 ms on a 262144-token row
+    where torch.multinomial takes 20 ms; a zero-probability token is never chosen.
     """
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.float().cumsum(dim=-1)
+    total = cdf[..., -1:]
+    u = torch.rand(total.shape, generator=generator, device=probs.device) * total
+    # rand < 1, but u can round up to the total; keep it strictly below so that the first index
+    # whose running sum exceeds u always exists and has positive probability.
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
 def argmax_rows(logits: Tensor) -> list[int]:

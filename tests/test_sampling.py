@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.runtime.sampling import (
+    TOP_P_CANDIDATES,
     SamplingParams,
     argmax_rows,
     greedy_accept,
@@ -201,6 +202,24 @@ def test_top_p_always_keeps_the_most_likely_token() -> None:
     assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0]]
 
 
+@pytest.mark.parametrize("top_k", [0, 3000])
+@pytest.mark.parametrize(("scale", "top_p"), [(3.0, 0.3), (3.0, 0.95), (0.05, 0.9999)])
+def test_top_p_on_a_large_vocabulary_matches_both_oracles(
+    scale: float, top_p: float, top_k: int
+) -> None:
+    # Past TOP_P_CANDIDATES: top_p 0.3 settles inside the first candidates, 0.95 and 0.9999
+    # need the search to widen (checked below by the kept count).
+    rng = np.random.default_rng(7)
+    logits = torch.from_numpy(rng.normal(0.0, scale, size=(2, 6000)).astype(np.float32))
+    params = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p)
+    probs = probabilities(logits, params)
+    expected = _numpy_probabilities(logits.numpy(), params)
+    np.testing.assert_allclose(probs.numpy(), expected, rtol=1e-4, atol=1e-7)
+    assert torch.equal(probs > 0, _transformers_probabilities(logits, params) > 0)
+    kept = int((probs[0] > 0).sum())
+    assert (kept > TOP_P_CANDIDATES) == (top_p > 0.9)
+
+
 # --- sample ----------------------------------------------------------------------------------
 
 
@@ -212,6 +231,14 @@ def test_sample_shapes_support_and_determinism() -> None:
     assert draws.shape == (300, 2) and draws.dtype == torch.int64
     assert set(draws[:, 0].tolist()) == {1, 2}
     assert set(draws[:, 1].tolist()) == {0, 3}
+    frequency_of_3 = float((draws[:, 1] == 3).float().mean())
+    assert abs(frequency_of_3 - 0.9) < 4 * math.sqrt(0.9 * 0.1 / 300)
+    unnormalised = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.0])
+    counts = torch.bincount(
+        torch.stack([sample(unnormalised, g) for _ in range(2000)]), minlength=5
+    )
+    assert counts[[0, 2, 4]].sum() == 0
+    assert scipy.stats.binomtest(int(counts[1]), 2000, 0.75).pvalue > 1e-4
     a = [int(sample(probs[1], make_generator(42))) for _ in range(5)]
     b = [int(sample(probs[1], make_generator(42))) for _ in range(5)]
     assert a == b
