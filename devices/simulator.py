@@ -19,6 +19,7 @@ the generated span. Energy is (idle + active power) x time.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from edgemtp.model.cost import (
     static_cache_keys,
 )
 from edgemtp.runtime.adaptive import expected_committed
+from edgemtp.runtime.bench import acceptance_by_position
 from edgemtp.runtime.kv_cache import cache_bytes, cache_slots
 
 # Operators per decoder layer in an exported XNNPACK program, when no bundle says (the PEER-90M
@@ -116,15 +118,18 @@ def trace_acceptance(path: Path) -> Acceptance:
             f"{path}: not an `edgemtp generate --json` output with a trace ({err}); pass a mean "
             "acceptance instead, e.g. --acceptance 0.7"
         ) from None
-    depth = max((k for k, _ in pairs), default=0)
-    if depth == 0:
+    if not any(k for k, _ in pairs):
         raise EdgeMTPError(f"{path}: no round in this trace drafted; run generate with --mtp 1+")
-    rates = []
-    for i in range(1, depth + 1):
-        tried = sum(1 for k, n in pairs if k >= i and n >= i - 1)
-        accepted = sum(1 for k, n in pairs if k >= i and n >= i)
-        rates.append(accepted / tried if tried else (rates[-1] if rates else 0.0))
-    return Acceptance(tuple(rates), f"measured: {len(pairs)} rounds of {path}")
+    return acceptance_from_rounds(pairs, f"measured: {len(pairs)} rounds of {path}")
+
+
+def acceptance_from_rounds(rounds: Sequence[Sequence[int]], source: str) -> Acceptance:
+    """Per-position acceptance of measured rounds (drafted, accepted); a position no round
+    reached takes the rate before it."""
+    rates: list[float] = []
+    for rate in acceptance_by_position(rounds):
+        rates.append(rate if rate is not None else (rates[-1] if rates else 0.0))
+    return Acceptance(tuple(rates), source)
 
 
 @dataclass

@@ -409,7 +409,7 @@ def run_command(program: str, args: list[str], timeout: float = 10.0) -> str:
     return proc.stdout + proc.stderr
 
 
-def _adb_error(text: str, serial: str | None) -> str | None:
+def adb_problem(text: str, serial: str | None) -> str | None:
     low = text.lower()
     if "no devices/emulators found" in low:
         return (
@@ -469,7 +469,7 @@ class AdbReader:
 
     def _dumpsys(self) -> tuple[str, dict[str, str]]:
         text = self._adb("shell", "dumpsys", "battery")
-        why = _adb_error(text, self.serial)
+        why = adb_problem(text, self.serial)
         if why is None and "Current Battery Service state" not in text:
             first = text.strip().splitlines()[0] if text.strip() else "nothing"
             why = f"unexpected `adb shell dumpsys battery` output: {first}"
