@@ -160,6 +160,82 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+class StandInProgram:
+    """A runner whose every method runs `work` (a model-sized memory stream) and returns zeros
+    of that method's output shapes (as `StaticBackend` reads them): decoding through it times
+    edgemtp's host side as it runs between real program calls, caches cleared by each."""
+
+    def __init__(
+        self, shapes: Any, hidden: int, vocab: int, candidates: int, work: Callable[[], object]
+    ):
+        self.shapes, self.work = shapes, work
+        zeros = torch.zeros
+        self.outputs: dict[str, tuple[torch.Tensor, ...]] = {
+            "prefill_intermediate": (zeros(1, dtype=torch.long),),
+            "prefill_final": (zeros(hidden), zeros(vocab)),
+            "draft_step": (zeros(hidden), torch.arange(candidates), zeros(candidates)),
+        }
+        for depth in range(shapes.max_draft + 1):
+            self.outputs[f"verify_{depth}"] = (zeros(depth + 1, vocab), zeros(depth + 1, hidden))
+        self.methods = dict.fromkeys(self.outputs)
+
+    def call(self, method: str, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.work()
+        return self.outputs[method]
+
+
+def host_costs(quick: bool = False) -> tuple[float, float]:
+    """(us per program call, ns per logit) of edgemtp's own host side: greedy decoding of the
+    embedded model's shapes (Q4_0 token and int8 per-layer tables, as bundles store them)
+    through `StaticBackend` over a `StandInProgram` that streams 32 MiB of int4 weights per
+    call, and numpy's argmax over a Gemma 4 logit row. A step's time outside the program less
+    its argmax is the per-call cost. (Timed alone, with warm caches, the host side takes about
+    half as long as beside a model.)"""
+    from edgemtp.export.static import StaticShapes
+    from edgemtp.model.checkpoint import target_config
+    from edgemtp.model.gemma4 import TokenTables
+    from edgemtp.quantize.q4_0 import pack_q4_0, quantize_q4_0
+    from edgemtp.quantize.tables import Int8Rows, Q4_0Rows, quantize_int8_rows
+    from edgemtp.runtime.backends import StaticBackend
+    from edgemtp.runtime.demo import TARGET
+    from edgemtp.runtime.generate import FixedDepth, decode
+    from edgemtp.runtime.sampling import argmax_rows
+
+    row = torch.randn(1, 262_144, generator=torch.Generator().manual_seed(0))
+    argmax_s = min(_median_seconds(lambda: argmax_rows(row), 5 if quick else 50))
+    ns_per_logit = argmax_s / row.shape[1] * 1e9
+
+    cfg = target_config(json.loads((TARGET / "config.json").read_text()), str(TARGET))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    ple = torch.randn(
+        cfg.vocab_size_per_layer_input,
+        cfg.num_layers * cfg.hidden_size_per_layer_input,
+        generator=g,
+    )
+    tables = TokenTables(
+        Q4_0Rows(pack_q4_0(quantize_q4_0(tokens)), cfg.hidden_size),
+        Int8Rows(*quantize_int8_rows(ple)),
+        cfg.num_layers,
+        cfg.hidden_size_per_layer_input,
+    )
+    shapes = StaticShapes(max_context=512, max_draft=0, chunk=64)
+    n = 1024 if quick else 8192
+    weights = _xnnpack_program(_int4_linear(n, n), torch.randn(1, n))
+    x = torch.randn(1, n)
+    program = StandInProgram(
+        shapes, cfg.hidden_size, cfg.vocab_size, 1, lambda: weights.forward((x,))
+    )
+    backend = StaticBackend(program, tables, cfg, name="stand-in")
+    steps = 30 if quick else 300
+    result = decode(backend, list(range(3, 19)), steps, policy=FixedDepth(0))
+    per_step = statistics.median(
+        s.seconds["total"] - s.seconds["target"] for s in result.steps if s.kind == "decode"
+    )
+    per_call_us = max(per_step - cfg.vocab_size * ns_per_logit * 1e-9, 0.0) * 1e6
+    return per_call_us, ns_per_logit
+
+
 def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     """Measure this machine; its profile as TOML text (`quick`: small sizes, for tests)."""
     when = time.strftime("%Y-%m-%d")
@@ -176,6 +252,8 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         tops[dtype] = matmul_tops(dtype, *((128, 8) if quick else (1024, 256)))
     say("ExecuTorch dispatch (chains of 1 and 201 small XNNPACK linears)")
     per_op, per_call = executorch_dispatch_us(threads, 50 if quick else 2000)
+    say("edgemtp's host side (decoding through a program that costs nothing)")
+    host_call_us, host_ns_per_logit = host_costs(quick)
     say("power")
     power = measured_power(0.2 if quick else 3.0)
     ram = physical_memory() / 1e9
@@ -232,6 +310,16 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
             f"chained 64x64 linears on one row, (t201 - t1) / 200; a program call costs "
             f"{per_call:.1f} us",
         ),  # fmt: skip
+        "host_call_us = "
+        + _entry(
+            host_call_us,
+            src,
+            "edgemtp's Python host per program call: greedy decoding of the embedded model's "
+            "shapes through StaticBackend over a program that costs nothing, median step less "
+            "its argmax",
+        ),
+        "host_ns_per_logit = "
+        + _entry(host_ns_per_logit, src, "numpy argmax over a 262144-logit row, best median"),
         f"active_w = {active}",
         "",
         "[delegates.cpu.peak_tops]",

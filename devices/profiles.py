@@ -34,6 +34,10 @@ What the fields mean (the simulator relies on these definitions):
     out, sustained after thermal settling, including its DRAM and fabric traffic.
     Energy = (idle_w + active_w) x time. `peak_w`, where given, is a published burst figure.
   - `threads`: worker threads (cores) the runtime uses on a CPU delegate.
+  - `host_call_us`, `host_ns_per_logit` (optional): the runtime host's own time around each
+    program call (gathering table rows, building inputs, the decode loop) and per logit it
+    chooses a token from. Measured for edgemtp's Python host by `devices calibrate`; absent,
+    the simulator prices the program calls alone and says so.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ MIN_NOTE_CHARS = 12  # a note must say something: "how X follows", not "see abov
 _TOP_REQUIRED = {"name": str, "soc": str, "memory": str}
 _TOP_NUMBERS = ("ram_gb", "idle_w")
 _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispatch_us", "active_w")
-_DELEGATE_OPTIONAL_NUMBERS = ("threads", "idle_w", "peak_w")
+_DELEGATE_OPTIONAL_NUMBERS = ("threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit")
 _FIX = "see the field conventions at the top of devices/profiles.py"
 
 
@@ -75,6 +79,8 @@ class DelegateProfile:
     idle_w: float
     threads: int | None = None
     peak_w: float | None = None
+    host_call_us: float | None = None
+    host_ns_per_logit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -280,4 +286,6 @@ class _Parser:
             idle_w=idle_w,
             threads=None if threads is None else int(threads),
             peak_w=optional.get("peak_w"),
+            host_call_us=optional.get("host_call_us"),
+            host_ns_per_logit=optional.get("host_ns_per_logit"),
         )

@@ -1,19 +1,21 @@
 """The host-side simulator: speed, energy and memory of a bundle (or a preset) on a device
 profile, from first principles.
 
-Each program call is priced as a roofline plus dispatch:
+Each program call is priced as a roofline plus dispatch, plus the runtime host's own time:
 
     seconds = max(bytes / sustained bandwidth, FLOPs / peak throughput of the compute dtype)
-              + launches x dispatch cost
+              + launches x dispatch cost + host cost per call
 
 with the bytes and FLOPs of that very call (`model.cost`: every weight read once per call, the
-K/V each row reads, matmul FLOPs) and its launches (one per operator on a "kernel" delegate,
-one per call on a "graph" delegate). Prefill runs chunk by chunk with the KV-shared layers
-pruned from every chunk but the last (as the exported methods do). A decode round at depth k
-costs k drafter steps plus one verify of k + 1 rows and commits E_k tokens on average,
-E_k = 1 + sum_{j<=k} prod_{i<=j} a_i, from per-position acceptance a_i (a measured trace, or a
-mean with a per-position decay). Decode speed at depth k is E_k / round time, at the middle of
-the generated span. Energy is (idle + active power) x time.
+K/V each row reads, matmul FLOPs), its launches (the operators a method dispatches, counted
+from the bundle's program, on a "kernel" delegate; one per call on a "graph" delegate) and,
+where the profile measured it, the host's cost per call and per logit it picks a token from.
+Prefill runs chunk by chunk with the KV-shared layers pruned from every chunk but the last (as
+the exported methods do). A decode round at depth k costs k drafter steps plus one verify of
+k + 1 rows and commits E_k tokens on average, E_k = 1 + sum_{j<=k} prod_{i<=j} a_i, from
+per-position acceptance a_i (a measured trace, or a mean with a per-position decay). Decode
+speed at depth k is E_k / round time, at the middle of the generated span. Energy is
+(idle + active power) x time.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ from edgemtp.runtime.adaptive import expected_committed
 from edgemtp.runtime.bench import acceptance_by_position
 from edgemtp.runtime.kv_cache import cache_bytes, cache_slots
 
-# Operators per decoder layer in an exported XNNPACK program, when no bundle says (the PEER-90M
-# ExecuTorch export: 2139 delegated + 149 portable nodes in verify_0 over 12 layers).
-OPS_PER_LAYER = 190
+# Operators per decoder layer an exported XNNPACK program dispatches, when no bundle says (the
+# PEER-90M ExecuTorch export: verify_0 runs 1791 operators over 12 layers, portable kernel calls
+# plus XNNPACK graph nodes).
+OPS_PER_LAYER = 150
 # Compute dtype of each delegate's int4 linears: XNNPACK's 8da4w quantizes activations to int8;
 # GPUs and the ANE compute fp16; the HTP int8. W4A16 on a CPU computes in fp32.
 COMPUTE_DTYPE = {"cpu": "int8", "gpu": "fp16", "metal": "fp16", "npu": "fp16", "htp": "int8"}
@@ -211,14 +214,17 @@ def simulate(
     cfg, bits = model.target, model.bits
     layers = cfg.num_layers
 
-    prefill_s = 0.0
+    host_call = (unit.host_call_us or 0.0) * 1e-6
+    choose = (unit.host_ns_per_logit or 0.0) * 1e-9 * cfg.vocab_size  # one row's token
+
+    prefill_s = choose
     for start in range(0, prompt, model.chunk):
         rows = range(start, min(start + model.chunk, prompt))
         last = rows.stop == prompt
         work = forward_work(cfg, rows, int(last), int(last), bits, model.cache_keys())
         method = "prefill_final" if last else "prefill_intermediate"
         owned = layers if last else cfg.first_shared_layer
-        prefill_s += call_seconds(work, unit, dtype, _launches(model, method, owned))
+        prefill_s += call_seconds(work, unit, dtype, _launches(model, method, owned)) + host_call
 
     middle = prompt + gen // 2
     round_s: dict[int, float] = {}
@@ -228,12 +234,13 @@ def simulate(
         step = draft_work(model.drafter, cfg, middle, bits, model.cache_keys(middle), head)
         n = model.drafter.text.num_layers
         draft_s = call_seconds(step, unit, dtype, _launches(model, "draft_step", n))
+        draft_s += host_call + choose
     for k in depths:
         method, rows = model.verify(k)
         keys = model.cache_keys(middle + rows)
         verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
         seconds = call_seconds(verify, unit, dtype, _launches(model, method, layers))
-        round_s[k] = seconds + k * draft_s
+        round_s[k] = seconds + host_call + (k + 1) * choose + k * draft_s
     expected = {k: acceptance.expected_tokens(k) for k in depths}
     decode = {k: expected[k] / round_s[k] for k in depths}
     best = max(decode, key=lambda k: (decode[k], -k))
@@ -263,7 +270,10 @@ def simulate(
             "memory_bandwidth_gbs": unit.memory_bandwidth_gbs,
             "peak_tops": unit.peak_tops[dtype],
             "dispatch": f"{unit.dispatch_us} us per {unit.dispatch_unit}",
-            "launches": "from the bundle's methods"
+            "host": f"{unit.host_call_us} us per call, {unit.host_ns_per_logit} ns per logit"
+            if unit.host_call_us is not None
+            else "not in the profile: program calls priced alone",
+            "launches": "operators each of the bundle's methods dispatches"
             if model.launches
             else f"{OPS_PER_LAYER} operators per layer (PEER-90M XNNPACK export)",
             "acceptance": acceptance.source,
@@ -305,12 +315,7 @@ def model_from_bundle(bundle: Path) -> Model:
     if manifest["drafter"]:
         raw = json.loads((bundle / manifest["drafter"]["config"]).read_text())
         drafter = drafter_config(raw, str(bundle))
-    delegation = manifest["backend_details"].get("delegation", {})
-    launches = {
-        name: int(d.get("delegated_nodes", 0)) + int(d.get("portable_nodes", 0))
-        for name, d in delegation.items()
-        if isinstance(d, dict)
-    }
+    launches = method_operators(bundle, manifest)
     scheme = manifest["quantization"]["scheme"]
     quant = scheme if scheme in BITS_PER_WEIGHT else "fp32" if scheme == "none" else "q4_0"
     shapes = manifest["shapes"]
@@ -328,6 +333,41 @@ def model_from_bundle(bundle: Path) -> Model:
         tuple(shapes["context_buckets"]),
         "over the vocabulary" in manifest["numerics"].get("drafter_head", ""),
     )
+
+
+PROGRAM_READ_LIMIT = 2**30  # older ExecuTorch bundles: count operators from programs this small
+
+
+def method_operators(bundle: Path, manifest: dict[str, Any]) -> dict[str, int]:
+    """Operators each method dispatches per call: an ExecuTorch bundle's `runtime_ops` (portable
+    kernel calls plus XNNPACK graph nodes; counted from the program itself when an older
+    export did not record them), an ONNX method's graph nodes; else the exported graph's node
+    count, or nothing (then OPS_PER_LAYER)."""
+    delegation = manifest["backend_details"].get("delegation", {})
+    if delegation and all("runtime_ops" in d for d in delegation.values()):
+        return {name: int(d["runtime_ops"]) for name, d in delegation.items()}
+    program = bundle / manifest["program"]
+    if manifest["backend"] == "executorch" and program.stat().st_size < PROGRAM_READ_LIMIT:
+        from executorch.exir._serialize._program import deserialize_pte_binary
+
+        from edgemtp.export.executorch import program_operators
+
+        return program_operators(deserialize_pte_binary(program.read_bytes()).program)
+    if manifest["backend"] == "onnx":
+        import onnx
+
+        from edgemtp.export.onnx import INDEX
+
+        methods = json.loads((program / INDEX).read_text())["methods"]
+        return {
+            name: len(onnx.load(program / m["file"], load_external_data=False).graph.node)
+            for name, m in methods.items()
+        }
+    return {
+        name: int(d.get("delegated_nodes", 0)) + int(d.get("portable_nodes", 0))
+        for name, d in delegation.items()
+        if isinstance(d, dict)
+    }
 
 
 def _is_verify(method: str) -> bool:

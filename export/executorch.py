@@ -381,6 +381,53 @@ def method_io(programs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def program_operators(program: Any) -> dict[str, int]:
+    """Operators each method of an ExecuTorch `Program` dispatches per call: its portable
+    kernel calls, plus inside each XNNPACK delegate the nodes of its XNNPACK graph (read from
+    the delegate's flatbuffer); another delegate counts one. This is what a per-operator
+    dispatch cost multiplies: the edge graph has ~40 % more nodes (quantize/dequantize pairs,
+    views, getitems) that never run."""
+    import json
+    import tempfile
+
+    from executorch.backends.xnnpack.serialization.xnnpack_graph_serialize import (
+        XNNHeader,
+        _get_schema_bytes,
+    )
+    from executorch.exir._serialize._flatbuffer import _flatc_decompile
+
+    counted: dict[int, int] = {}
+    out: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        schema = Path(folder) / "schema.fbs"
+        schema.write_bytes(_get_schema_bytes())
+        for plan in program.execution_plan:
+            ops = 0
+            for chain in plan.chains:
+                for instruction in chain.instructions:
+                    kind = type(instruction.instr_args).__name__
+                    if kind == "KernelCall":
+                        ops += 1
+                    elif kind == "DelegateCall":
+                        delegate = plan.delegates[instruction.instr_args.delegate_index]
+                        if delegate.id != "XnnpackBackend":
+                            ops += 1
+                            continue
+                        index = delegate.processed.index
+                        if index not in counted:
+                            blob = program.backend_delegate_data[index].data
+                            header = XNNHeader.from_bytes(blob[: XNNHeader.EXPECTED_LENGTH])
+                            start = header.flatbuffer_offset
+                            graph = Path(folder) / f"graph{index}.bin"
+                            graph.write_bytes(blob[start : start + header.flatbuffer_size])
+                            _flatc_decompile(folder, str(schema), str(graph), ["--raw-binary"])
+                            parsed = json.loads(graph.with_suffix(".json").read_text())
+                            counted[index] = len(parsed.get("xnodes", []))
+                        ops += counted[index]
+            out[plan.name] = ops
+    return out
+
+
 def _lower_xnnpack(static: StaticBundle, out_dir: Path, progress: Progress) -> Lowered:
     start = time.perf_counter()
     stats = prepare_xnnpack(static)
@@ -398,7 +445,10 @@ def _lower_xnnpack(static: StaticBundle, out_dir: Path, progress: Progress) -> L
     summary = delegation_summary(edge, exempt=(CLUSTERED_HEAD,))
     full = {k: v for p in partitioners for k, v in p.full_pipeline.items()}
     t = time.perf_counter()
-    data = edge.to_executorch(backend_config()).buffer
+    manager = edge.to_executorch(backend_config())
+    for name, ops in program_operators(manager.executorch_program).items():
+        summary[name]["runtime_ops"] = ops
+    data = manager.buffer
     (out_dir / PROGRAM).write_bytes(data)
     progress(f"emit {PROGRAM}: {len(data) / 2**20:.1f} MiB ({time.perf_counter() - t:.1f}s)")
     delegates = sum(m["delegates"] for m in summary.values())

@@ -8,6 +8,7 @@ report shows each file's rows with its machine, so host and device results sit i
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -313,9 +314,9 @@ def write_report(docs: Sequence[dict[str, Any]], out: Path, keep: Sequence[Path]
 
 
 def _result_name(doc: dict[str, Any]) -> str:
-    where = (doc["machine"].get("device") or "host").replace(" ", "-").replace("/", "-")
+    where = doc["machine"].get("device") or "host"
     stamp = doc["created"].replace(":", "").replace("-", "")
-    return f"{doc['bundle']['name']}-{where}-{stamp}.json"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{doc['bundle']['name']}-{where}-{stamp}") + ".json"
 
 
 # --- collect -------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from edgemtp.export.executorch import (
     Int4Linear,
     _block_form,
     lower_executorch,
+    program_operators,
     xnnpack_forms,
     xnnpack_int8_rows,
 )
@@ -362,6 +363,27 @@ def test_program_logits_within_tolerance_of_eager_references(checkpoints, lowere
             assert error > 1e-3  # the int8 activations are really there
 
 
+@pytest.mark.parametrize("linears", [1, 7])
+def test_runtime_operators_are_the_xnnpack_nodes_plus_portable_calls(linears):
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(linears):
+                x = self.linear(x)
+            return x.cumsum(-1)  # XNNPACK has no cumulative sum: one portable kernel call
+
+    x = torch.randn(1, 16)
+    edge = lower_programs({"m": export_method(Chain(), (x,))}, lambda: [xnnpack_partitioner()])
+    nodes = delegation_summary(edge)["m"]
+    assert nodes["portable_ops"] == {"aten.cumsum.default": 1}
+    program = edge.to_executorch(backend_config()).executorch_program
+    # one XNNPACK fully-connected node per linear, one cumsum kernel
+    assert program_operators(program) == {"m": linears + 1}
+
+
 @pytest.mark.parametrize("scheme", BUNDLE_SCHEMES)
 def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     _, result = lowered(scheme)
@@ -371,6 +393,8 @@ def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     for method in details["delegation"].values():
         assert method["delegates"] >= 1
         assert not [op for op in method["portable_ops"] if "linear" in op or ".mm." in op]
+        # dispatched: fewer than the edge graph's nodes (q/dq pairs, views never run)
+        assert 0 < method["runtime_ops"] < method["delegated_nodes"] + method["portable_nodes"]
     assert details["full_xnnpack_pipeline"] == {}  # every delegate preprocessed linear-only
     if scheme == "none":
         assert details["int4_linears"] == {}

@@ -117,6 +117,24 @@ def test_call_seconds_is_roofline_plus_dispatch():
     assert call_seconds(memory_bound, graph, "int8", 5000) == pytest.approx(0.010 + 300e-6)
 
 
+def test_the_hosts_cost_is_added_per_call_and_per_logit_row():
+    model = replace(model_from_preset("e2b", "q4_0", 4096, 128, max_draft=3), verify_depths=())
+    profile = load_profile("galaxy-s26-ultra")
+    acceptance = mean_acceptance(0.7, 0.9, 3)
+    bare, hosted = (
+        simulate(model, replace(profile, delegates={"cpu": unit}), "cpu", (0, 2), acceptance,
+                 256, 128)
+        for unit in (_unit(), _unit(host_call_us=500.0, host_ns_per_logit=2.0))
+    )  # fmt: skip
+    call, row = 500e-6, 2e-9 * model.target.vocab_size
+    # depth k: k drafter calls and one verify, each with its host call; k + (k + 1) rows
+    for k in (0, 2):
+        extra = (k + 1) * call + (2 * k + 1) * row
+        assert hosted.round_ms[k] - bare.round_ms[k] == pytest.approx(1000 * extra)
+    chunks = 2  # 256 prompt tokens in chunks of 128; one token chosen at the end
+    assert hosted.ttft_s - bare.ttft_s == pytest.approx(chunks * call + row)
+
+
 def test_acceptance_from_a_trace_counted_by_hand(tmp_path):
     # rounds (drafted, accepted): draft 1 tried 4 times, accepted 3; draft 2 tried 3, accepted 1
     rounds = [(2, 2), (2, 1), (2, 0), (1, 1), (0, 0)]
@@ -214,8 +232,10 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     assert cpu.threads == 1 and host.battery_wh is None
     assert 0 < cpu.memory_bandwidth_gbs <= cpu.peak_memory_bandwidth_gbs
     assert set(cpu.peak_tops) == {"int8", "fp16", "fp32"} and cpu.dispatch_us > 0
+    assert cpu.host_call_us > 0 and cpu.host_ns_per_logit > 0
     measured = [k for k, (src, _) in host.sources.items() if src.startswith("measured")]
-    assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us"} <= set(measured)
+    assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us",
+            "delegates.cpu.host_call_us"} <= set(measured)  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["host.toml"]  # no partial file left
     argv = ["simulate", "--preset", "e2b", "--device", str(out), "--delegate", "cpu", "--mtp",
             "0", "--json"]  # fmt: skip
