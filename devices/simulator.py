@@ -48,6 +48,8 @@ OPS_PER_LAYER = 150
 # Compute dtype of each delegate's int4 linears: XNNPACK's 8da4w quantizes activations to int8;
 # GPUs and the ANE compute fp16; the HTP int8. W4A16 on a CPU computes in fp32.
 COMPUTE_DTYPE = {"cpu": "int8", "gpu": "fp16", "metal": "fp16", "npu": "fp16", "htp": "int8"}
+# Attention (activations x activations) runs in fp32 in XNNPACK CPU programs, fp16 elsewhere.
+ACTIVATION_DTYPE = {"cpu": "fp32", "gpu": "fp16", "metal": "fp16", "npu": "fp16", "htp": "fp16"}
 RUNTIME_OVERHEAD_MB = 150.0  # the runtime itself (ExecuTorch, Python host), an estimate
 
 
@@ -67,6 +69,7 @@ class Model:
     max_draft: int = 0
     buckets: tuple[int, ...] = ()  # context buckets (`StaticShapes.context_buckets`)
     full_drafter_head: bool = False  # an int4 clustered head computes every vocabulary row
+    stored_bits: float | None = None  # bits per linear weight as the program stores them
 
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
@@ -82,7 +85,7 @@ class Model:
 
     @property
     def bits(self) -> float:
-        return BITS_PER_WEIGHT[self.quant]
+        return self.stored_bits or BITS_PER_WEIGHT[self.quant]
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,13 @@ def compute_dtype(unit: DelegateProfile, delegate: str, quant: str) -> str:
 
 
 def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> float:
-    """Roofline plus dispatch for one program call."""
+    """Roofline plus dispatch for one program call; attention runs in the activation dtype."""
     memory = work.bytes / (unit.memory_bandwidth_gbs * 1e9)
-    compute = work.flops / (unit.peak_tops[dtype] * 1e12)
+    attention = ACTIVATION_DTYPE.get(unit.name, "fp16")
+    if attention not in unit.peak_tops:
+        attention = max(unit.peak_tops, key=unit.peak_tops.__getitem__)
+    compute = (work.flops - work.attention_flops) / (unit.peak_tops[dtype] * 1e12)
+    compute += work.attention_flops / (unit.peak_tops[attention] * 1e12)
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
     return max(memory, compute) + dispatches * unit.dispatch_us * 1e-6
 
@@ -289,18 +296,10 @@ def simulate(
 def stored_bytes(cfg: TextConfig, drafter: AssistantConfig | None, quant: str) -> float:
     """Weights of a preset as a bundle stores them: int4 linears and LM head, Q4_0 token table
     (the tied head), int8 per-layer table."""
-    bits = BITS_PER_WEIGHT[quant]
-    linears = sum(layer_weights(cfg, spec) for spec in cfg.layers)
-    if cfg.hidden_size_per_layer_input:
-        linears += cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
     table = cfg.vocab_size * cfg.hidden_size * BITS_PER_WEIGHT["q4_0"] / 8
     ple = cfg.vocab_size_per_layer_input * cfg.num_layers * cfg.hidden_size_per_layer_input
-    total = linears * bits / 8 + table + ple
-    if drafter is not None:
-        text = drafter.text
-        total += sum(layer_weights(text, s) for s in text.layers) * bits / 8
-        total += 3 * drafter.backbone_hidden_size * text.hidden_size * bits / 8
-    return total
+    linears = linear_weights(cfg, drafter) - cfg.hidden_size * cfg.vocab_size
+    return linears * BITS_PER_WEIGHT[quant] / 8 + table + ple
 
 
 def model_from_bundle(bundle: Path) -> Model:
@@ -332,7 +331,43 @@ def model_from_bundle(bundle: Path) -> Model:
         shapes["max_draft"],
         tuple(shapes["context_buckets"]),
         "over the vocabulary" in manifest["numerics"].get("drafter_head", ""),
+        stored_bits(manifest, cfg, drafter),
     )
+
+
+GROUP = {"q4_0": 32, "w4a16": 128}  # weights per scale
+
+
+def stored_bits(
+    manifest: dict[str, Any], cfg: TextConfig, drafter: AssistantConfig | None
+) -> float | None:
+    """Bits per 4-bit linear weight as the bundle's program stores them: an ExecuTorch program
+    4-bit codes, a bf16 scale per group and an fp32 offset per block that needs one (negative
+    Q4_0 scales, zero points other than 8: `offset_blocks`); ONNX MatMulNBits 4-bit codes, an
+    fp32 scale per group and 4-bit zero points when asymmetric. None: the scheme's nominal."""
+    scheme = manifest["quantization"]["scheme"]
+    group = GROUP.get(scheme)
+    if group is None:
+        return None
+    if manifest["backend"] == "executorch":
+        offsets = manifest["backend_details"].get("offset_blocks", 0)
+        return 4 + 16 / group + 32 * offsets / linear_weights(cfg, drafter)
+    if manifest["backend"] == "onnx":
+        return 4 + 32 / group + (4 / group if scheme == "w4a16" else 0)
+    return None
+
+
+def linear_weights(cfg: TextConfig, drafter: AssistantConfig | None) -> int:
+    """Weights of every linear the programs hold: the target's layers, per-layer input
+    projection and LM head, the drafter's layers and projections."""
+    total = sum(layer_weights(cfg, spec) for spec in cfg.layers) + cfg.hidden_size * cfg.vocab_size
+    if cfg.hidden_size_per_layer_input:
+        total += cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
+    if drafter is not None:
+        text = drafter.text
+        total += sum(layer_weights(text, spec) for spec in text.layers)
+        total += 3 * drafter.backbone_hidden_size * text.hidden_size
+    return total
 
 
 PROGRAM_READ_LIMIT = 2**30  # older ExecuTorch bundles: count operators from programs this small

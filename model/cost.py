@@ -31,11 +31,17 @@ def layer_flops(
     per_row += 2 * 3 * h * spec.intermediate_size
     if cfg.hidden_size_per_layer_input:
         per_row += 2 * 2 * h * cfg.hidden_size_per_layer_input
+    return per_row * len(positions) + attention_flops(cfg, spec, positions, keys)
+
+
+def attention_flops(
+    cfg: TextConfig, spec: LayerSpec, positions: range, keys: int | None = None
+) -> float:
+    """The part of `layer_flops` between activations: QK^T and PV over the keys each row reads."""
     total = (
         sum(attended(spec, cfg, p) for p in positions) if keys is None else keys * len(positions)
     )
-    scores = total * heads * hd * 2 * 2  # QK^T and PV
-    return per_row * len(positions) + scores
+    return total * cfg.num_heads * spec.head_dim * 2 * 2
 
 
 def prefill_flops(cfg: TextConfig, length: int, chunk: int, prune: bool) -> float:
@@ -66,12 +72,14 @@ BITS_PER_WEIGHT = {"q4_0": 4.5, "w4a16": 4.0 + 16 / 128, "int8": 8.0, "fp16": 16
 @dataclass(frozen=True)
 class Work:
     """What one call of a method moves and computes: weight bytes read (once per call, however
-    many rows), K/V bytes read, matmul FLOPs, and how many rows it carries."""
+    many rows), K/V bytes read, matmul FLOPs (of which `attention_flops` multiply activations
+    by activations, in the activation dtype), and how many rows it carries."""
 
     flops: float = 0.0
     weight_bytes: float = 0.0
     cache_bytes: float = 0.0
     rows: int = 0
+    attention_flops: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -79,6 +87,7 @@ class Work:
             self.weight_bytes + other.weight_bytes,
             self.cache_bytes + other.cache_bytes,
             max(self.rows, other.rows),
+            self.attention_flops + other.attention_flops,
         )
 
     @property
@@ -144,7 +153,8 @@ def forward_work(
         keys = None if n is None else n + len(positions)
         cache = kv_read_bytes(cfg, spec, rows, n, cache_itemsize)
         weights = layer_weights(cfg, spec) * bits / 8
-        work += Work(layer_flops(cfg, spec, rows, keys), weights, cache)
+        attention = attention_flops(cfg, spec, rows, keys)
+        work += Work(layer_flops(cfg, spec, rows, keys), weights, cache, 0, attention)
     if cfg.hidden_size_per_layer_input:  # the per-layer input projection (model level)
         n = cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
         work += Work(2 * n * len(positions), n * bits / 8)
@@ -176,8 +186,12 @@ def draft_work(
         keys = None if cache_keys is None else cache_keys[spec.attention]
         read = attended(spec, text, position) if keys is None else keys
         cache = 2 * read * store.num_kv_heads * store.head_dim * itemsize
-        flops = layer_flops(text, spec, range(position, position + 1), keys)
-        work += Work(flops, layer_weights(text, spec) * bits / 8, cache)
+        row = range(position, position + 1)
+        flops, attention = (
+            layer_flops(text, spec, row, keys),
+            attention_flops(text, spec, row, keys),
+        )
+        work += Work(flops, layer_weights(text, spec) * bits / 8, cache, 0, attention)
     h = text.hidden_size
     if not drafter.use_ordered_embeddings:
         rows = text.vocab_size
