@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,7 @@ class Prediction:
     round_ms: dict[int, float]
     draft_ms: float  # one drafter step
     expected_tokens: dict[int, float]
+    terms: dict[str, Terms]  # "prefill" (every chunk), "draft_step", "verify_K" (one call each)
     assumptions: dict[str, Any]
 
     def as_json(self) -> dict[str, Any]:
@@ -164,6 +165,7 @@ class Prediction:
             "round_ms": {str(k): v for k, v in self.round_ms.items()},
             "draft_step_ms": self.draft_ms,
             "expected_tokens_per_round": {str(k): v for k, v in self.expected_tokens.items()},
+            "terms": {name: asdict(t) for name, t in self.terms.items()},
             "assumptions": self.assumptions,
         }
 
@@ -175,7 +177,25 @@ def compute_dtype(unit: DelegateProfile, delegate: str, quant: str) -> str:
     return max(unit.peak_tops, key=unit.peak_tops.__getitem__)  # the unit's fastest path
 
 
-def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> float:
+@dataclass(frozen=True)
+class Terms:
+    """Where predicted time goes, over one or more calls: each call costs
+    max(memory, compute) + dispatch + host, summed in `seconds`."""
+
+    seconds: float = 0.0
+    memory_s: float = 0.0
+    compute_s: float = 0.0
+    dispatch_s: float = 0.0
+    host_s: float = 0.0
+    bytes: float = 0.0
+    flops: float = 0.0
+    launches: int = 0
+
+    def __add__(self, other: Terms) -> Terms:
+        return Terms(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+def call_terms(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> Terms:
     """Roofline plus dispatch for one program call; attention runs in the activation dtype."""
     memory = work.bytes / (unit.memory_bandwidth_gbs * 1e9)
     attention = ACTIVATION_DTYPE.get(unit.name, "fp16")
@@ -184,7 +204,17 @@ def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -
     compute = (work.flops - work.attention_flops) / (unit.peak_tops[dtype] * 1e12)
     compute += work.attention_flops / (unit.peak_tops[attention] * 1e12)
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
-    return max(memory, compute) + dispatches * unit.dispatch_us * 1e-6
+    dispatch = dispatches * unit.dispatch_us * 1e-6
+    return Terms(max(memory, compute) + dispatch, memory, compute, dispatch, 0.0, work.bytes,
+                 work.flops, dispatches)  # fmt: skip
+
+
+def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> float:
+    return call_terms(work, unit, dtype, launches).seconds
+
+
+def _host(seconds: float) -> Terms:
+    return Terms(seconds=seconds, host_s=seconds)
 
 
 def _launches(model: Model, method: str, layers: int) -> int:
@@ -224,30 +254,34 @@ def simulate(
     host_call = (unit.host_call_us or 0.0) * 1e-6
     choose = (unit.host_ns_per_logit or 0.0) * 1e-9 * cfg.vocab_size  # one row's token
 
-    prefill_s = choose
+    prefill = _host(choose)
     for start in range(0, prompt, model.chunk):
         rows = range(start, min(start + model.chunk, prompt))
         last = rows.stop == prompt
         work = forward_work(cfg, rows, int(last), int(last), bits, model.cache_keys())
         method = "prefill_final" if last else "prefill_intermediate"
         owned = layers if last else cfg.first_shared_layer
-        prefill_s += call_seconds(work, unit, dtype, _launches(model, method, owned)) + host_call
+        prefill += call_terms(work, unit, dtype, _launches(model, method, owned)) + _host(host_call)
+    prefill_s = prefill.seconds
 
     middle = prompt + gen // 2
-    round_s: dict[int, float] = {}
-    draft_s = 0.0
+    terms = {"prefill": prefill}
+    draft = Terms()
     if model.drafter is not None:
         head = model.full_drafter_head
         step = draft_work(model.drafter, cfg, middle, bits, model.cache_keys(middle), head)
         n = model.drafter.text.num_layers
-        draft_s = call_seconds(step, unit, dtype, _launches(model, "draft_step", n))
-        draft_s += host_call + choose
+        draft = call_terms(step, unit, dtype, _launches(model, "draft_step", n))
+        terms["draft_step"] = draft = draft + _host(host_call + choose)
+    draft_s = draft.seconds
+    round_s: dict[int, float] = {}
     for k in depths:
         method, rows = model.verify(k)
         keys = model.cache_keys(middle + rows)
         verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
-        seconds = call_seconds(verify, unit, dtype, _launches(model, method, layers))
-        round_s[k] = seconds + host_call + (k + 1) * choose + k * draft_s
+        call = call_terms(verify, unit, dtype, _launches(model, method, layers))
+        terms[f"verify_{k}"] = call + _host(host_call + (k + 1) * choose)
+        round_s[k] = terms[f"verify_{k}"].seconds + k * draft_s
     expected = {k: acceptance.expected_tokens(k) for k in depths}
     decode = {k: expected[k] / round_s[k] for k in depths}
     best = max(decode, key=lambda k: (decode[k], -k))
@@ -269,6 +303,7 @@ def simulate(
         round_ms={k: 1000 * s for k, s in round_s.items()},
         draft_ms=1000 * draft_s,
         expected_tokens=expected,
+        terms=terms,
         assumptions={
             "device": f"{device.name} ({device.key})",
             "delegate": f"{delegate}: {unit.unit}",

@@ -445,7 +445,7 @@ def predict(
     bundle: Path, device: str, delegate: str, plan: BenchPlan, runs: Sequence[dict]
 ) -> dict[str, Any]:
     """The simulator's tok/s for each summary row: prefill for pp rows; decode for tg rows at the
-    acceptance per position that row measured (or the oracle's rate)."""
+    acceptance per position that row measured."""
     from edgemtp.devices.profiles import load_profile
     from edgemtp.devices.simulator import (
         Acceptance,
@@ -464,14 +464,11 @@ def predict(
             prediction = simulate(model, profile, delegate, (0,), Acceptance((), "AR"), n, 1)
             tok_s = prediction.prefill_tok_s
         else:
-            if row["acceptance_oracle"] is not None and depth:
-                rates = [row["acceptance_oracle"]] * depth
-                source = f"acceptance oracle {row['acceptance_oracle']}"
-                acceptance = Acceptance(tuple(rates), source)
-            else:
-                source = f"measured in this bench: {row['test']} depth {depth}"
-                rounds = [rd for r in _timed(runs, row["test"], depth) for rd in r["rounds"]]
-                acceptance = acceptance_from_rounds(rounds, source)
+            # the acceptance these very rounds had (an oracle's included): the simulator
+            # predicts speed at a given acceptance, it does not predict acceptance
+            rounds = [rd for r in _timed(runs, row["test"], depth) for rd in r["rounds"]]
+            source = f"measured in this bench: {row['test']} depth {depth}"
+            acceptance = acceptance_from_rounds(rounds, source)
             prediction = simulate(model, profile, delegate, (depth,), acceptance, plan.tg_prompt, n)
             tok_s = prediction.decode_tok_s[depth]
         assumptions = prediction.assumptions

@@ -133,6 +133,12 @@ def test_the_hosts_cost_is_added_per_call_and_per_logit_row():
         assert hosted.round_ms[k] - bare.round_ms[k] == pytest.approx(1000 * extra)
     chunks = 2  # 256 prompt tokens in chunks of 128; one token chosen at the end
     assert hosted.ttft_s - bare.ttft_s == pytest.approx(chunks * call + row)
+    # the terms add up to what was predicted
+    t = hosted.terms
+    assert t["prefill"].seconds == pytest.approx(hosted.ttft_s)
+    assert t["prefill"].host_s == pytest.approx(chunks * call + row)
+    round_2 = t["verify_2"].seconds + 2 * t["draft_step"].seconds
+    assert 1000 * round_2 == pytest.approx(hosted.round_ms[2])
 
 
 def test_acceptance_from_a_trace_counted_by_hand(tmp_path):
