@@ -30,6 +30,7 @@ from edgemtp.runtime.probes import physical_memory
 
 Say = Callable[[str], None]
 SOURCE = "measured: edgemtp devices calibrate"
+VERIFY_PROBE_ROWS = 4  # a verify of 3 drafts
 
 
 def _median_seconds(run: Callable[[], object], repeat: int) -> list[float]:
@@ -73,13 +74,13 @@ def _call_seconds(program: Any, x: torch.Tensor, calls: int, repeat: int = 5) ->
     return statistics.median(times) / calls
 
 
-def memory_bandwidth(n_in: int = 8192, n_out: int = 8192) -> tuple[float, float]:
-    """(median, best) GB/s the runtime's int4 GEMV streams weights at: one row through an
-    XNNPACK 8da4w linear of n_in x n_out (default 32 MiB of codes + 4 MiB of bf16 scales, past
-    the caches), as every decode step does."""
-    program = _xnnpack_program(_int4_linear(n_in, n_out), torch.randn(1, n_in))
+def memory_bandwidth(n_in: int = 8192, n_out: int = 8192, rows: int = 1) -> tuple[float, float]:
+    """(median, best) GB/s the runtime's int4 linear streams weights at: `rows` rows (one: every
+    decode step; a few: a verify) through an XNNPACK 8da4w linear of n_in x n_out (default
+    32 MiB of codes + 4 MiB of bf16 scales, past the caches)."""
+    program = _xnnpack_program(_int4_linear(n_in, n_out), torch.randn(rows, n_in))
     weight_bytes = n_in * n_out / 2 + n_out * n_in / 32 * 2
-    times = _median_seconds(lambda: program.forward((torch.randn(1, n_in),)), 9)
+    times = _median_seconds(lambda: program.forward((torch.randn(rows, n_in),)), 9)
     return weight_bytes / statistics.median(times) / 1e9, weight_bytes / min(times) / 1e9
 
 
@@ -118,6 +119,96 @@ def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, floa
     x = torch.zeros(1, 64)
     per_call = {n: _call_seconds(_xnnpack_program(_chain(n), x), x, calls) for n in (1, 201)}
     return (per_call[201] - per_call[1]) / 200 * 1e6, per_call[1] * 1e6
+
+
+# --- ONNX Runtime: the kernels an ONNX bundle's CPU methods run -----------------------------------
+
+
+def _ort_session(graph: Any, threads: int) -> Any:
+    """`graph` in an ONNX Runtime CPU session set up as `export.onnx.OnnxRunner` sets its own."""
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.helper.make_model(
+        graph,
+        opset_imports=[
+            onnx.helper.make_opsetid("", 17),
+            onnx.helper.make_opsetid("com.microsoft", 1),
+        ],
+    )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+
+
+def _nbits_linear(k: int, n: int, rows: int, threads: int) -> tuple[Any, float]:
+    """(session, weight bytes) of one MatMulNBits [rows, k] x [k, n], 4-bit, blocks of 32, fp32
+    scales, accuracy level 0: the node an ONNX bundle's 4-bit linears become."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    scales = (rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMulNBits", ["x", "B", "scales"], ["y"], domain="com.microsoft",
+                          K=k, N=n, bits=4, block_size=32, accuracy_level=0)],
+        "nbits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
+        [onnx.numpy_helper.from_array(codes, "B"), onnx.numpy_helper.from_array(scales, "scales")],
+    )  # fmt: skip
+    return _ort_session(graph, threads), codes.nbytes + scales.nbytes
+
+
+def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
+    """ONNX Runtime's MatMulNBits GEMV bandwidth (one row, past the caches), its throughput on
+    256 rows, and its cost per call and per node (chains of 1 and 201 MatMul nodes of 64 x 64
+    on one row, as `executorch_dispatch_us`)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    k = n = 1024 if quick else 8192
+    bandwidth = {}
+    for rows in (1, VERIFY_PROBE_ROWS):
+        session, weight_bytes = _nbits_linear(k, n, rows, threads)
+        x = np.random.default_rng(1).standard_normal((rows, k), dtype=np.float32)
+        times = _median_seconds(lambda s=session, x=x: s.run(None, {"x": x}), 9)
+        bandwidth[rows] = weight_bytes / statistics.median(times) / 1e9
+    size, rows = (128, 8) if quick else (1024, 256)
+    session, _ = _nbits_linear(size, size, rows, threads)
+    x = np.random.default_rng(2).standard_normal((rows, size), dtype=np.float32)
+    times = _median_seconds(lambda: session.run(None, {"x": x}), 3)
+    tops = 2 * rows * size * size / statistics.median(times) / 1e12
+
+    def chain(ops: int) -> Any:
+        w = numpy_helper.from_array(np.eye(64, dtype=np.float32) * 0.5, "w")
+        nodes = [helper.make_node("MatMul", [f"h{i}", "w"], [f"h{i + 1}"]) for i in range(ops)]
+        graph = helper.make_graph(
+            nodes, "chain", [helper.make_tensor_value_info("h0", TensorProto.FLOAT, [1, 64])],
+            [helper.make_tensor_value_info(f"h{ops}", TensorProto.FLOAT, [1, 64])], [w],
+        )  # fmt: skip
+        return _ort_session(graph, threads)
+
+    x = np.zeros((1, 64), dtype=np.float32)
+    calls = 50 if quick else 2000
+    per_call = {}
+    for ops in (1, 201):
+        session = chain(ops)
+        times = _median_seconds(lambda s=session: [s.run(None, {"h0": x}) for _ in range(calls)], 5)
+        per_call[ops] = statistics.median(times) / calls
+    per_node = (per_call[201] - per_call[1]) / 200
+    return {
+        "memory_bandwidth_gbs": bandwidth[1],
+        "verify_bandwidth_gbs": bandwidth[VERIFY_PROBE_ROWS],
+        "fp32_tops": tops,
+        "dispatch_us": max(per_node * 1e6, 0.01),
+        "call_us": max((per_call[1] - per_node) * 1e6, 0.0),
+    }
 
 
 def measured_power(seconds: float = 3.0) -> tuple[float, float] | str:
@@ -245,14 +336,18 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     torch.set_num_threads(threads)
     portable_lib._unsafe_reset_threadpool(threads)
     say("memory bandwidth (one row through a 32 MiB int4 XNNPACK linear)")
-    bw, best = memory_bandwidth(*((1024, 1024) if quick else (8192, 8192)))
+    size = (1024, 1024) if quick else (8192, 8192)
+    bw, best = memory_bandwidth(*size)
+    verify_bw, _ = memory_bandwidth(*size, rows=VERIFY_PROBE_ROWS)
     tops = {}
     for dtype in ("int8", "fp16", "fp32"):
         say(f"{dtype} GEMM throughput")
         tops[dtype] = matmul_tops(dtype, *((128, 8) if quick else (1024, 256)))
     say("ExecuTorch dispatch (chains of 1 and 201 small XNNPACK linears)")
     per_op, per_call = executorch_dispatch_us(threads, 50 if quick else 2000)
-    say("edgemtp's host side (decoding through a program that costs nothing)")
+    say("ONNX Runtime's kernels (MatMulNBits, per-node dispatch)")
+    ort = onnx_kernels(threads, quick)
+    say("edgemtp's host side (decoding beside a stand-in program)")
     host_call_us, host_ns_per_logit = host_costs(quick)
     say("power")
     power = measured_power(0.2 if quick else 3.0)
@@ -302,6 +397,13 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         + _entry(
             max(best, bw), src, "the best of the same 9 runs (this host's bus peak is unknown)"
         ),
+        "verify_bandwidth_gbs = "
+        + _entry(
+            verify_bw,
+            src,
+            f"the same linear on {VERIFY_PROBE_ROWS} rows (a verify of "
+            f"{VERIFY_PROBE_ROWS - 1} drafts), median of 9",
+        ),
         "dispatch_us = "
         + _entry(
             max(per_op, 0.01),
@@ -320,6 +422,8 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         ),
         "host_ns_per_logit = "
         + _entry(host_ns_per_logit, src, "numpy argmax over a 262144-logit row, best median"),
+        "call_us = "
+        + _entry(max(per_call - per_op, 0.0), src, "ExecuTorch program call less its one operator"),
         f"active_w = {active}",
         "",
         "[delegates.cpu.peak_tops]",
@@ -333,4 +437,25 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     }
     for dtype, value in tops.items():
         lines.append(f"{dtype} = {_entry(value, src, notes[dtype])}")
+    gemv = "32 MiB" if not quick else "0.5 MiB"
+    lines += [
+        "",
+        "[delegates.cpu.backends.onnx]",
+        "memory_bandwidth_gbs = "
+        + _entry(ort["memory_bandwidth_gbs"], src, f"weight bytes / time of one row through an "
+                 f"ONNX Runtime MatMulNBits ({gemv} of 4-bit codes, fp32 scales), median of 9"),
+        "verify_bandwidth_gbs = "
+        + _entry(ort["verify_bandwidth_gbs"], src, f"the same MatMulNBits on "
+                 f"{VERIFY_PROBE_ROWS} rows (ONNX Runtime takes another path above one row)"),
+        "dispatch_us = "
+        + _entry(ort["dispatch_us"], src, "ONNX Runtime, per node: sessions of 1 and 201 chained "
+                 "64x64 MatMul nodes on one row, (t201 - t1) / 200"),
+        "call_us = "
+        + _entry(ort["call_us"], src, "ONNX Runtime session.run of one node, less the node"),
+        "",
+        "[delegates.cpu.backends.onnx.peak_tops]",
+        "fp32 = "
+        + _entry(ort["fp32_tops"], src, "MatMulNBits (accuracy level 0: fp32 compute, as ONNX "
+                 "bundles run) 1024 x 1024 on 256 rows, median of 3"),
+    ]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -34,6 +34,12 @@ What the fields mean (the simulator relies on these definitions):
     out, sustained after thermal settling, including its DRAM and fabric traffic.
     Energy = (idle_w + active_w) x time. `peak_w`, where given, is a published burst figure.
   - `threads`: worker threads (cores) the runtime uses on a CPU delegate.
+  - `call_us` (optional): fixed cost of one program call, beside its launches.
+  - `verify_bandwidth_gbs` (optional): the rate 4-bit weights stream at through a linear on a
+    few rows (2-16, a verify's), where a kernel takes another path than for one row.
+  - `[delegates.X.backends.Y]` (optional): `memory_bandwidth_gbs`, `dispatch_us`, `call_us`,
+    `host_*` and `peak_tops` as the kernels of backend Y (executorch, onnx, coreml) run on this
+    unit, where they were measured apart; a bundle of backend Y is priced with them.
   - `host_call_us`, `host_ns_per_logit` (optional): the runtime host's own time around each
     program call (gathering table rows, building inputs, the decode loop) and per logit it
     chooses a token from. Measured for edgemtp's Python host by `devices calibrate`; absent,
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +68,16 @@ MIN_NOTE_CHARS = 12  # a note must say something: "how X follows", not "see abov
 _TOP_REQUIRED = {"name": str, "soc": str, "memory": str}
 _TOP_NUMBERS = ("ram_gb", "idle_w")
 _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispatch_us", "active_w")
-_DELEGATE_OPTIONAL_NUMBERS = ("threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit")
+_DELEGATE_OPTIONAL_NUMBERS = (
+    "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "call_us",
+    "verify_bandwidth_gbs",
+)  # fmt: skip
+BACKENDS = ("executorch", "onnx", "coreml")
+# what a [delegates.X.backends.Y] section may replace for bundles of backend Y
+_BACKEND_NUMBERS = (
+    "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
+    "host_ns_per_logit",
+)  # fmt: skip
 _FIX = "see the field conventions at the top of devices/profiles.py"
 
 
@@ -81,6 +96,18 @@ class DelegateProfile:
     peak_w: float | None = None
     host_call_us: float | None = None
     host_ns_per_logit: float | None = None
+    call_us: float | None = None
+    verify_bandwidth_gbs: float | None = None
+    backends: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def for_backend(self, backend: str | None) -> DelegateProfile:
+        """This unit as a bundle of `backend` sees it: its kernels' bandwidth, throughput and
+        dispatch where the profile measured that backend apart."""
+        changes = self.backends.get(backend or "", {})
+        if not changes:
+            return self
+        tops = changes.get("peak_tops")
+        return replace(self, **{**changes, "peak_tops": tops or self.peak_tops}, backends={})
 
 
 @dataclass(frozen=True)
@@ -233,7 +260,7 @@ class _Parser:
         prefix = f"delegates.{key}."
         if not isinstance(table, dict):
             raise self.fail(prefix[:-1], f"must be a table, got {type(table).__name__}")
-        known = {"unit", "dispatch_unit", "peak_tops", *_DELEGATE_NUMBERS}
+        known = {"unit", "dispatch_unit", "peak_tops", "backends", *_DELEGATE_NUMBERS}
         unknown = set(table) - known - set(_DELEGATE_OPTIONAL_NUMBERS)
         if unknown:
             raise self.fail(prefix + ", ".join(sorted(unknown)), "unknown field")
@@ -255,21 +282,7 @@ class _Parser:
         threads = optional.get("threads")
         if threads is not None and threads != int(threads):
             raise self.fail(prefix + "threads", f"must be a whole number, got {threads}")
-        tops_raw = table.get("peak_tops")
-        if not isinstance(tops_raw, dict) or not tops_raw:
-            raise self.fail(
-                prefix + "peak_tops", "missing or empty; at least one of " + ", ".join(DTYPES)
-            )
-        for dtype in tops_raw:
-            if dtype not in DTYPES:
-                raise self.fail(
-                    f"{prefix}peak_tops.{dtype}", f"unknown dtype; known: {', '.join(DTYPES)}"
-                )
-        peak_tops = {
-            dtype: self.number(tops_raw, dtype, f"{prefix}peak_tops.")
-            for dtype in DTYPES
-            if dtype in tops_raw
-        }
+        peak_tops = self.tops(table.get("peak_tops"), prefix)
         idle_w = optional.get("idle_w")
         if idle_w is None:  # the device's idle power; its source is the device-level one
             idle_w = device_idle_w
@@ -288,4 +301,42 @@ class _Parser:
             peak_w=optional.get("peak_w"),
             host_call_us=optional.get("host_call_us"),
             host_ns_per_logit=optional.get("host_ns_per_logit"),
+            call_us=optional.get("call_us"),
+            verify_bandwidth_gbs=optional.get("verify_bandwidth_gbs"),
+            backends=self.backends(table.get("backends", {}), prefix),
         )
+
+    def tops(self, raw: Any, prefix: str) -> dict[str, float]:
+        if not isinstance(raw, dict) or not raw:
+            raise self.fail(
+                prefix + "peak_tops", "missing or empty; at least one of " + ", ".join(DTYPES)
+            )
+        for dtype in raw:
+            if dtype not in DTYPES:
+                raise self.fail(
+                    f"{prefix}peak_tops.{dtype}", f"unknown dtype; known: {', '.join(DTYPES)}"
+                )
+        return {
+            dtype: self.number(raw, dtype, f"{prefix}peak_tops.")
+            for dtype in DTYPES
+            if dtype in raw
+        }
+
+    def backends(self, raw: Any, prefix: str) -> dict[str, dict[str, Any]]:
+        """[delegates.X.backends.Y]: numbers measured for bundles of backend Y on this unit."""
+        if not isinstance(raw, dict):
+            raise self.fail(prefix + "backends", "must be a table of backends")
+        out: dict[str, dict[str, Any]] = {}
+        for name, table in raw.items():
+            where = f"{prefix}backends.{name}."
+            if name not in BACKENDS:
+                raise self.fail(where[:-1], f"unknown backend; known: {', '.join(BACKENDS)}")
+            if not isinstance(table, dict):
+                raise self.fail(where[:-1], "must be a table")
+            unknown = set(table) - {*_BACKEND_NUMBERS, "peak_tops"}
+            if unknown:
+                raise self.fail(where + ", ".join(sorted(unknown)), "unknown field")
+            out[name] = {k: self.number(table, k, where) for k in _BACKEND_NUMBERS if k in table}
+            if "peak_tops" in table:
+                out[name]["peak_tops"] = self.tops(table["peak_tops"], where)
+        return out

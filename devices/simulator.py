@@ -50,6 +50,7 @@ OPS_PER_LAYER = 150
 COMPUTE_DTYPE = {"cpu": "int8", "gpu": "fp16", "metal": "fp16", "npu": "fp16", "htp": "int8"}
 # Attention (activations x activations) runs in fp32 in XNNPACK CPU programs, fp16 elsewhere.
 ACTIVATION_DTYPE = {"cpu": "fp32", "gpu": "fp16", "metal": "fp16", "npu": "fp16", "htp": "fp16"}
+VERIFY_ROWS = 16  # calls of 2..16 rows stream weights at the profile's verify bandwidth
 RUNTIME_OVERHEAD_MB = 150.0  # the runtime itself (ExecuTorch, Python host), an estimate
 
 
@@ -70,6 +71,7 @@ class Model:
     buckets: tuple[int, ...] = ()  # context buckets (`StaticShapes.context_buckets`)
     full_drafter_head: bool = False  # an int4 clustered head computes every vocabulary row
     stored_bits: float | None = None  # bits per linear weight as the program stores them
+    backend: str | None = None  # a bundle's: selects the profile's numbers for that backend
 
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
@@ -197,14 +199,19 @@ class Terms:
 
 def call_terms(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> Terms:
     """Roofline plus dispatch for one program call; attention runs in the activation dtype."""
-    memory = work.bytes / (unit.memory_bandwidth_gbs * 1e9)
+    bandwidth = unit.memory_bandwidth_gbs
+    if unit.verify_bandwidth_gbs and 2 <= work.rows <= VERIFY_ROWS:
+        bandwidth = unit.verify_bandwidth_gbs
+    memory = work.weight_bytes / (bandwidth * 1e9) + work.cache_bytes / (
+        unit.memory_bandwidth_gbs * 1e9
+    )
     attention = ACTIVATION_DTYPE.get(unit.name, "fp16")
     if attention not in unit.peak_tops:
         attention = max(unit.peak_tops, key=unit.peak_tops.__getitem__)
     compute = (work.flops - work.attention_flops) / (unit.peak_tops[dtype] * 1e12)
     compute += work.attention_flops / (unit.peak_tops[attention] * 1e12)
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
-    dispatch = dispatches * unit.dispatch_us * 1e-6
+    dispatch = ((unit.call_us or 0.0) + dispatches * unit.dispatch_us) * 1e-6
     return Terms(max(memory, compute) + dispatch, memory, compute, dispatch, 0.0, work.bytes,
                  work.flops, dispatches)  # fmt: skip
 
@@ -246,7 +253,7 @@ def simulate(
         raise EdgeMTPError(
             f"--prompt {prompt} + --gen {gen} do not fit the context of {model.max_context}"
         )
-    unit = device.delegates[delegate]
+    unit = device.delegates[delegate].for_backend(model.backend)
     dtype = compute_dtype(unit, delegate, model.quant)
     cfg, bits = model.target, model.bits
     layers = cfg.num_layers
@@ -311,7 +318,11 @@ def simulate(
             "compute_dtype": dtype,
             "memory_bandwidth_gbs": unit.memory_bandwidth_gbs,
             "peak_tops": unit.peak_tops[dtype],
-            "dispatch": f"{unit.dispatch_us} us per {unit.dispatch_unit}",
+            "numbers": f"the profile's {model.backend} section for {delegate}"
+            if model.backend in device.delegates[delegate].backends
+            else f"the profile's {delegate} delegate",
+            "dispatch": f"{unit.call_us or 0} us per call + {unit.dispatch_us} us per "
+            f"{unit.dispatch_unit}",
             "host": f"{unit.host_call_us} us per call, {unit.host_ns_per_logit} ns per logit"
             if unit.host_call_us is not None
             else "not in the profile: program calls priced alone",
@@ -367,6 +378,7 @@ def model_from_bundle(bundle: Path) -> Model:
         tuple(shapes["context_buckets"]),
         "over the vocabulary" in manifest["numerics"].get("drafter_head", ""),
         stored_bits(manifest, cfg, drafter),
+        manifest["backend"],
     )
 
 

@@ -211,6 +211,40 @@ def test_a_minimal_well_formed_profile_loads(tmp_path):
     assert p.delegates["cpu"].peak_tops == {"int8": 2.0}
 
 
+ONNX_SECTION = """
+[delegates.cpu.backends.onnx]
+memory_bandwidth_gbs = { value = 20, source = "measured: a run", note = "MatMulNBits, one row" }
+verify_bandwidth_gbs = { value = 5, source = "measured: a run", note = "MatMulNBits on 4 rows" }
+
+[delegates.cpu.backends.onnx.peak_tops]
+fp32 = { value = 0.5, source = "measured: a run", note = "MatMulNBits on 256 rows, fp32" }
+"""
+
+
+def test_a_backend_section_prices_that_backends_bundles(tmp_path):
+    path = tmp_path / "two.toml"
+    path.write_text(GOOD + ONNX_SECTION)
+    cpu = load_profile(path).delegates["cpu"]
+    onnx = cpu.for_backend("onnx")
+    assert (onnx.memory_bandwidth_gbs, onnx.verify_bandwidth_gbs) == (20.0, 5.0)
+    assert onnx.peak_tops == {"fp32": 0.5} and onnx.dispatch_us == cpu.dispatch_us == 5.0
+    assert cpu.for_backend("executorch") is cpu and cpu.for_backend(None) is cpu
+    assert cpu.memory_bandwidth_gbs == 40.0 and cpu.verify_bandwidth_gbs is None
+    assert load_profile(path).sources["delegates.cpu.backends.onnx.memory_bandwidth_gbs"][0] == (
+        "measured: a run"
+    )
+    for bad, field in (
+        ("backends.onnx]", "delegates.cpu.backends.tflite"),
+        ("verify_bandwidth_gbs = {", "delegates.cpu.backends.onnx.verify_bw"),
+    ):
+        text = GOOD + ONNX_SECTION.replace(
+            bad, bad.replace("onnx", "tflite").replace("verify_bandwidth_gbs", "verify_bw")
+        )
+        path.write_text(text)
+        with pytest.raises(EdgeMTPError, match=f"field {field}"):
+            load_profile(path)
+
+
 def _swap(old: str, new: str) -> str:
     assert old in GOOD, old
     return GOOD.replace(old, new)

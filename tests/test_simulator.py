@@ -117,6 +117,16 @@ def test_call_seconds_is_roofline_plus_dispatch():
     assert call_seconds(memory_bound, graph, "int8", 5000) == pytest.approx(0.010 + 300e-6)
 
 
+def test_a_few_rows_stream_weights_at_the_verify_bandwidth():
+    unit = _unit(verify_bandwidth_gbs=2.5, call_us=30.0)  # 10 GB/s for one row (_unit)
+    one, four, chunk = (Work(flops=0.0, weight_bytes=1e8, rows=r) for r in (1, 4, 64))
+    assert call_seconds(one, unit, "int8", 0) == pytest.approx(
+        1e8 / unit.memory_bandwidth_gbs / 1e9 + 30e-6
+    )
+    assert call_seconds(four, unit, "int8", 0) == pytest.approx(1e8 / 2.5e9 + 30e-6)
+    assert call_seconds(chunk, unit, "int8", 0) == call_seconds(one, unit, "int8", 0)
+
+
 def test_the_hosts_cost_is_added_per_call_and_per_logit_row():
     model = replace(model_from_preset("e2b", "q4_0", 4096, 128, max_draft=3), verify_depths=())
     profile = load_profile("galaxy-s26-ultra")
@@ -238,7 +248,12 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     assert cpu.threads == 1 and host.battery_wh is None
     assert 0 < cpu.memory_bandwidth_gbs <= cpu.peak_memory_bandwidth_gbs
     assert set(cpu.peak_tops) == {"int8", "fp16", "fp32"} and cpu.dispatch_us > 0
-    assert cpu.host_call_us > 0 and cpu.host_ns_per_logit > 0
+    assert cpu.host_call_us > 0 and cpu.host_ns_per_logit > 0 and cpu.verify_bandwidth_gbs > 0
+    onnx = cpu.for_backend("onnx")  # ONNX Runtime's kernels, measured apart
+    assert set(cpu.backends["onnx"]) == {
+        "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "peak_tops"
+    }  # fmt: skip
+    assert onnx.peak_tops.keys() == {"fp32"} and onnx.memory_bandwidth_gbs > 0
     measured = [k for k, (src, _) in host.sources.items() if src.startswith("measured")]
     assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us",
             "delegates.cpu.host_call_us"} <= set(measured)  # fmt: skip
