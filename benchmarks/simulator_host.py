@@ -1,0 +1,231 @@
+"""The simulator against this host: `edgemtp bench` measurements beside its predictions.
+
+    python benchmarks/simulator_host.py [--work /work/val] [--threads 1] [--repeat 5]
+
+Builds (once, under --work) two model sizes for two backends:
+
+- demo-et, demo-onnx: the embedded pair (16 M target, trained; its own drafter), Q4_0,
+  ExecuTorch XNNPACK and ONNX Runtime CPU, max context 512, depth 3, chunk 64;
+- e2b-et, e2b-onnx: `synth --preset e2b --scale 0.25` with its assistant (random weights,
+  262144-token vocabulary), Q4_0, max context 1024, depth 3, chunk 128;
+
+calibrates this host (`edgemtp devices calibrate --threads N`, into --work), then runs
+`edgemtp bench` on each bundle with that profile: prefill (pp) and decode (tg) at depths 0-3.
+The demo pair drafts with its own drafter; the random e2b drafter agrees with nothing, so its
+MTP rows use `--acceptance-oracle 0.7` (the drafter still runs). The simulator is given the
+acceptance each row measured. Writes OUT/simulator_host.{json,md,png} and keeps each bench's
+report under --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
+MODELS = REPO / "models"
+WITHIN = 0.25
+
+
+def bundles(work: Path) -> dict[str, dict[str, Any]]:
+    demo = [
+        "--model",
+        str(MODELS / "embedded-target"),
+        "--drafter",
+        str(MODELS / "embedded-assistant"),
+        "--max-context",
+        "512",
+        "--prefill-chunk",
+        "64",
+    ]
+    e2b = ["--model", str(work / "e2b-s0.25"), "--drafter", str(work / "e2b-s0.25-a"),
+           "--max-context", "1024", "--prefill-chunk", "128"]  # fmt: skip
+    demo_bench = ["--pp", "128,448", "--tg", "64", "--mtp", "0,1,2,3"]
+    e2b_bench = ["--pp", "128,512", "--tg", "64", "--mtp", "0,2", "--acceptance-oracle", "0.7"]
+    return {
+        f"{size}-{backend}": {
+            "export": [*args, "--backend", "executorch" if backend == "et" else "onnx"],
+            "bench": bench,
+        }
+        for size, args, bench in (("demo", demo, demo_bench), ("e2b", e2b, e2b_bench))
+        for backend in ("et", "onnx")
+    }
+
+
+def run(command: list[str], log: Path) -> None:
+    print("$ " + shlex.join(command), file=sys.stderr, flush=True)
+    with log.open("a") as out:
+        subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
+
+
+def build(work: Path, log: Path) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "e2b-s0.25" / "config.json").is_file():
+        run([*EDGEMTP, "synth", "--preset", "e2b", "--scale", "0.25", "--out",
+             str(work / "e2b-s0.25")], log)  # fmt: skip
+        run([*EDGEMTP, "synth", "--preset", "e2b-assistant", "--scale", "0.25", "--out",
+             str(work / "e2b-s0.25-a")], log)  # fmt: skip
+    for name, spec in bundles(work).items():
+        if not (work / name / "manifest.json").is_file():
+            run([*EDGEMTP, "export", *spec["export"], "--quant", "q4_0", "--draft-depth", "3",
+                 "--out", str(work / name)], log)  # fmt: skip
+
+
+def measure(work: Path, threads: int, repeat: int, log: Path) -> list[dict[str, Any]]:
+    profile = work / f"host-{threads}.toml"
+    run([*EDGEMTP, "devices", "calibrate", "--threads", str(threads), "--out", str(profile)], log)
+    docs = []
+    for name, spec in bundles(work).items():
+        out = work / f"bench-{name}"
+        run([*EDGEMTP, "bench", "--bundle", str(work / name), *spec["bench"], "--threads",
+             str(threads), "--repeat", str(repeat), "--device", str(profile), "--out", str(out)],
+            log)  # fmt: skip
+        (result,) = (out / "results").glob("*.json")
+        docs.append({"name": name, **json.loads(result.read_text())})
+    return docs
+
+
+def repredict(work: Path, threads: int) -> list[dict[str, Any]]:
+    """The benches already under --work, predicted again with the simulator as it is now."""
+    from edgemtp.runtime.bench import BenchPlan, predict
+
+    docs = []
+    for name in bundles(work):
+        (result,) = (work / f"bench-{name}" / "results").glob("*.json")
+        doc = json.loads(result.read_text())
+        p = doc["plan"]
+        plan = BenchPlan(tuple(p["pp"]), tuple(p["tg"]), tuple(p["depths"]), p["repeat"],
+                         p["tg_prompt"], p["acceptance_oracle"], p["seed"])  # fmt: skip
+        profile = str(work / f"host-{threads}.toml")
+        doc["predictions"] = predict(work / name, profile, "cpu", plan, doc["runs"])
+        docs.append({"name": name, **doc})
+    return docs
+
+
+def table(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for doc in docs:
+        predicted = {(p["test"], p["depth"]): p for p in doc["predictions"]["rows"]}
+        for s in doc["summary"]:
+            p = predicted[(s["test"], s["depth"])]
+            rows.append({
+                "bundle": doc["name"],
+                "backend": doc["bundle"]["backend"],
+                "test": s["test"],
+                "depth": s["depth"],
+                "oracle": s["acceptance_oracle"],
+                "acceptance": s["acceptance_rate"],
+                "measured_tok_s": s["tok_s_median"],
+                "measured_stdev": s["tok_s_stdev"],
+                "predicted_tok_s": p["tok_s"],
+                "error": p["error"],
+                "within": abs(p["error"]) <= WITHIN,
+            })  # fmt: skip
+    return rows
+
+
+def report(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    ok = sum(r["within"] for r in rows)
+    lines = [
+        "# The simulator against this host",
+        "",
+        f"`{result['command']}` ({result['date']}); {result['machine']}; "
+        f"{result['threads']} thread(s), {result['repeat']} timed rounds per row (median).",
+        "",
+        f"{ok} of {len(rows)} rows within ±{WITHIN:.0%} (error = predicted / measured - 1).",
+        "",
+        f"Profile: {result['profile'].lstrip('# ')} Benches:",
+        "",
+        *(f"- `{b}`" for b in result["benches"]),
+        "",
+        "| bundle | test | depth | acceptance | measured tok/s | predicted tok/s | error | ±25 % |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        if r["oracle"] is not None and r["depth"]:
+            acc += f" (oracle {r['oracle']:g})"
+        sd = f" ± {r['measured_stdev']:.1f}" if r["measured_stdev"] is not None else ""
+        lines.append(
+            f"| {r['bundle']} | {r['test']} | {r['depth']} | {acc} | "
+            f"{r['measured_tok_s']:.1f}{sd} | {r['predicted_tok_s']:.1f} | "
+            f"{100 * r['error']:+.0f}% | {'yes' if r['within'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    for kind, marker in (("pp", "s"), ("tg", "o")):
+        for backend, color in (("executorch", "tab:blue"), ("onnx", "tab:orange")):
+            mine = [r for r in rows if r["test"].startswith(kind) and r["backend"] == backend]
+            ax.scatter([r["measured_tok_s"] for r in mine], [r["predicted_tok_s"] for r in mine],
+                       marker=marker, color=color, label=f"{backend} {kind}")  # fmt: skip
+    values = [v for r in rows for v in (r["measured_tok_s"], r["predicted_tok_s"])]
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
+    for f in (1 - WITHIN, 1 + WITHIN):
+        ax.plot([lo, hi], [lo * f, hi * f], "k:", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured tok/s (edgemtp bench)")
+    ax.set_ylabel("predicted tok/s (edgemtp simulate, host profile)")
+    ax.set_title("Simulator vs this host (dotted: ±25 %)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, default=Path("/work/val"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--predict-again", action="store_true", help="reuse the benches under --work, predict anew"
+    )
+    args = parser.parse_args()
+    log = args.work / "simulator_host.log"
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.predict_again:
+        docs = repredict(args.work, args.threads)
+    else:
+        build(args.work, log)
+        docs = measure(args.work, args.threads, args.repeat, log)
+    machine = docs[0]["machine"]
+    result = {
+        "command": "python " + shlex.join(["benchmarks/simulator_host.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{machine['cpu']}, {machine['cores']} cores",
+        "threads": args.threads,
+        "repeat": args.repeat,
+        "rows": table(docs),
+        "benches": [f"{d['command']} ({d['created']})" for d in docs],
+        "profile": (args.work / f"host-{args.threads}.toml").read_text().splitlines()[0],
+        "predictions": {d["name"]: d["predictions"] for d in docs},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "simulator_host.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "simulator_host.md").write_text(report(result))
+    plot(result, args.out / "simulator_host.png")
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
