@@ -97,7 +97,9 @@ def matmul_tops(dtype: str, n: int = 1024, rows: int = 256) -> float:
     return flops / _call_seconds(_xnnpack_program(module, x), x, 3) / 1e12
 
 
-def _chain(ops: int) -> torch.nn.Module:
+def linear_chain(ops: int) -> torch.nn.Module:
+    """`ops` applications of one 64 x 64 linear, one XNNPACK operator each."""
+
     class Chain(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -117,7 +119,7 @@ def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, floa
     (setup, thread-pool dispatch). A chain of tiny adds would say 0.1 µs: XNNPACK runs those
     on one thread, where a model's GEMMs go through the thread pool."""
     x = torch.zeros(1, 64)
-    per_call = {n: _call_seconds(_xnnpack_program(_chain(n), x), x, calls) for n in (1, 201)}
+    per_call = {n: _call_seconds(_xnnpack_program(linear_chain(n), x), x, calls) for n in (1, 201)}
     return (per_call[201] - per_call[1]) / 200 * 1e6, per_call[1] * 1e6
 
 

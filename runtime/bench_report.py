@@ -235,12 +235,7 @@ def plot(docs: Sequence[dict[str, Any]], out: Path) -> list[str]:
                 )
     ax.set_xlabel("draft depth (0 = AR)")
     ax.set_ylabel("decode tokens/s (median, min-max)")
-    ax.set_title("Decode speed by draft depth")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "tok_s_by_depth.png", dpi=110)
-    plt.close(fig)
-    names.append("tok_s_by_depth.png")
+    names.append(_finish(fig, ax, "Decode speed by draft depth", out / "tok_s_by_depth.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for doc, r in tg:
@@ -255,13 +250,7 @@ def plot(docs: Sequence[dict[str, Any]], out: Path) -> list[str]:
     ax.set_xlabel("draft position")
     ax.set_ylabel("P(accepted | drafts before it were)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Acceptance by position")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_by_position.png", dpi=110)
-    plt.close(fig)
-    names.append("acceptance_by_position.png")
+    names.append(_finish(fig, ax, "Acceptance by position", out / "acceptance_by_position.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [
@@ -274,13 +263,20 @@ def plot(docs: Sequence[dict[str, Any]], out: Path) -> list[str]:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xticks(range(len(tg)), labels, fontsize=7)
     ax.set_ylabel("ms per committed token")
-    ax.set_title("Where a decoded token's time goes")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "time_by_phase.png", dpi=110)
-    plt.close(fig)
-    names.append("time_by_phase.png")
+    names.append(_finish(fig, ax, "Where a decoded token's time goes", out / "time_by_phase.png"))
     return names
+
+
+def _finish(fig: Any, ax: Any, title: str, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
 
 
 # --- writing -----------------------------------------------------------------------------------

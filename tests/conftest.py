@@ -12,3 +12,18 @@ torch.set_num_threads(1)  # tiny models: waking a thread pool costs more than it
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_0_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny preset and its assistant, random weights (std 0.05), quantized to Q4_0:
+    (target folder, drafter folder), shared by every test module that exports them."""
+    from edgemtp.model.synth import write_preset
+    from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-q4_0")
+    write_preset("tiny", root / "t", init_std=0.05)
+    write_preset("tiny-assistant", root / "a", init_std=0.05)
+    for role in ("t", "a"):
+        quantize_checkpoint(root / role, root / f"q{role}", Settings(scheme="q4_0"))
+    return root / "qt", root / "qa"

@@ -18,8 +18,6 @@ import pytest
 
 from edgemtp.cli import main
 from edgemtp.model.checkpoint import load_target
-from edgemtp.model.synth import write_preset
-from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 from edgemtp.runtime.bench import (
     SCHEMA_FILE,
     BenchPlan,
@@ -34,13 +32,8 @@ TG, REPEAT, DEPTHS = 12, 2, (0, 1, 2)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("bench")
-    write_preset("tiny", root / "t", init_std=0.05)
-    write_preset("tiny-assistant", root / "a", init_std=0.05)
-    for role in ("t", "a"):
-        quantize_checkpoint(root / role, root / f"q{role}", Settings(scheme="q4_0"))
-    return root / "qt", root / "qa"
+def pair(tiny_q4_0_pair) -> tuple[Path, Path]:
+    return tiny_q4_0_pair
 
 
 @pytest.fixture(scope="module")

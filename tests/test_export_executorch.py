@@ -25,6 +25,7 @@ import pytest
 import torch
 from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 
+from edgemtp.devices.calibrate import linear_chain
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.driver import ExecuTorchRunner
 from edgemtp.export.executorch import (
@@ -365,18 +366,19 @@ def test_program_logits_within_tolerance_of_eager_references(checkpoints, lowere
 
 @pytest.mark.parametrize("linears", [1, 7])
 def test_runtime_operators_are_the_xnnpack_nodes_plus_portable_calls(linears):
-    class Chain(torch.nn.Module):
+    class ChainThenCumsum(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.linear = torch.nn.Linear(16, 16)
+            self.chain = linear_chain(linears)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for _ in range(linears):
-                x = self.linear(x)
-            return x.cumsum(-1)  # XNNPACK has no cumulative sum: one portable kernel call
+            # XNNPACK has no cumulative sum: one portable kernel call
+            return self.chain(x).cumsum(-1)
 
-    x = torch.randn(1, 16)
-    edge = lower_programs({"m": export_method(Chain(), (x,))}, lambda: [xnnpack_partitioner()])
+    x = torch.randn(1, 64)
+    edge = lower_programs(
+        {"m": export_method(ChainThenCumsum(), (x,))}, lambda: [xnnpack_partitioner()]
+    )
     nodes = delegation_summary(edge)["m"]
     assert nodes["portable_ops"] == {"aten.cumsum.default": 1}
     program = edge.to_executorch(backend_config()).executorch_program

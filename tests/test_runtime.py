@@ -24,8 +24,6 @@ from edgemtp.errors import EdgeMTPError
 from edgemtp.export.bundle import open_tables, read_manifest, write_tables
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.gemma4 import TokenTables
-from edgemtp.model.synth import write_preset
-from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 from edgemtp.quantize.tables import Int8Rows
 from edgemtp.runtime.adaptive import AdaptiveDepth
 from edgemtp.runtime.backends import ReferenceBackend
@@ -40,13 +38,8 @@ N_NEW = 60  # tiny's sliding window is 16: decoding runs far past it
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("runtime")
-    write_preset("tiny", root / "t", init_std=0.05)
-    write_preset("tiny-assistant", root / "a", init_std=0.05)
-    for role in ("t", "a"):
-        quantize_checkpoint(root / role, root / f"q{role}", Settings(scheme="q4_0"))
-    return root / "qt", root / "qa"
+def pair(tiny_q4_0_pair) -> tuple[Path, Path]:
+    return tiny_q4_0_pair
 
 
 @pytest.fixture(scope="module")
