@@ -391,6 +391,7 @@ class ExportRequest:
     shapes: StaticShapes
     out: Path
     force: bool = False
+    activations: str | None = None  # ONNX cpu: "int8" (default) or "fp32"; others: fixed
 
 
 def _lowerer(backend: str) -> Callable[..., Lowered]:
@@ -482,6 +483,12 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
             f"context buckets are an ExecuTorch cpu (XNNPACK) option, not {req.backend}/"
             f"{req.delegate}: drop --context-buckets or pass --context-buckets none"
         )
+    if req.activations is not None and (req.backend, req.delegate) != ("onnx", "cpu"):
+        raise EdgeMTPError(
+            f"--activations is an ONNX cpu option, not {req.backend}/{req.delegate} (XNNPACK's "
+            "4-bit kernels take int8 activations, Core ML fp16, the HTP calibrated uint16): "
+            "drop it"
+        )
     if req.backend == "executorch" and req.delegate == "htp":
         from edgemtp.export.executorch import qnn_sdk
 
@@ -515,7 +522,9 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
         stage = time.perf_counter()
         signatures = method_signatures(static)
         progress(f"trace: method signatures {time.perf_counter() - stage:.1f} s")
-        extra = {"tables": target.tables} if req.backend == "onnx" else {}  # QDQ calibration
+        extra: dict[str, Any] = {}
+        if req.backend == "onnx":  # the tables: the htp delegate calibrates activations on them
+            extra = {"tables": target.tables, "activations": req.activations or "int8"}
         lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
         stage = time.perf_counter()
         tables = write_tables(target.tables, tmp, progress)

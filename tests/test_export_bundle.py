@@ -230,6 +230,7 @@ def onnx_bundle(quantized_pair, tmp_path_factory) -> Path:
         [
             "export", "--model", str(target), "--drafter", str(drafter), "--backend", "onnx",
             "--max-context", "96", "--draft-depth", "2", "--prefill-chunk", "8", "--out", str(out),
+            "--activations", "fp32",  # the reference's numerics: its tokens are the oracle
         ]
     )  # fmt: skip
     assert code == 0
@@ -387,7 +388,7 @@ def test_bundle_generates_the_reference_tokens(quantized_pair, tmp_path_factory)
         [
             "export", "--model", str(target_path), "--drafter", str(drafter_path),
             "--backend", "onnx", "--max-context", "96", "--draft-depth", "2",
-            "--prefill-chunk", "8", "--out", str(out),
+            "--prefill-chunk", "8", "--out", str(out), "--activations", "fp32",
         ]
     ) == 0  # fmt: skip
     manifest = read_manifest(out)
@@ -408,7 +409,7 @@ def test_same_inputs_same_bytes(quantized_pair, onnx_bundle, tmp_path):
     cmd = [
         sys.executable, "-m", "edgemtp.cli", "export", "--model", str(target), "--drafter",
         str(drafter), "--backend", "onnx", "--max-context", "96", "--draft-depth", "2",
-        "--prefill-chunk", "8", "--out", str(out),
+        "--prefill-chunk", "8", "--out", str(out), "--activations", "fp32",  # as onnx_bundle
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "7"})
     first = {p.relative_to(onnx_bundle): p.read_bytes() for p in onnx_bundle.rglob("*.*")}
@@ -499,7 +500,7 @@ def test_scaled_e2b_bundle_generates_the_reference_tokens(e2b_pair, tmp_path, ba
         [
             "export", "--model", str(target_path), "--drafter", str(drafter_path),
             "--backend", backend, "--max-context", "128", "--draft-depth", "2",
-            "--prefill-chunk", "16", "--out", str(out),
+            "--prefill-chunk", "16", "--out", str(out), "--activations", "fp32",
         ]
     ) == 0  # fmt: skip
     manifest = read_manifest(out)

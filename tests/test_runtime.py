@@ -49,6 +49,7 @@ def onnx_bundle(pair, tmp_path_factory) -> Path:
     assert main(
         [
             "export", "--model", str(target), "--drafter", str(drafter), "--backend", "onnx",
+            "--activations", "fp32",  # the reference's numerics: its tokens are the oracle
             "--max-context", str(CONTEXT), "--draft-depth", str(DEPTH),
             "--prefill-chunk", str(CHUNK), "--out", str(out),
         ]
