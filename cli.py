@@ -398,6 +398,61 @@ def run_bench_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_conformance(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "conformance",
+        help="write conformance vectors: every greedy decode decision on a bundle, for the "
+        "app-side decode core (apps/core) to replay without the model",
+    )
+    p.add_argument("--bundle", type=Path, required=True, help="an export bundle")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="folder for vectors.json (replaced when it holds nothing else)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=4,
+        help="prompts; the first 4 exercise one prefill chunk, several chunks, the sliding "
+        "ring wrapping and the context end, more get seeded random lengths",
+    )
+    p.add_argument("--tokens", type=int, default=48, help="committed tokens per generation")
+    p.add_argument(
+        "--depths", type=_depths, help="pinned draft depths (default: 0 to the bundle's deepest)"
+    )
+
+
+def run_conformance(args: argparse.Namespace) -> int:
+    import torch
+
+    from edgemtp.runtime.conformance import (
+        check_out,
+        record_vectors,
+        replay_vectors,
+        write_vectors,
+    )
+
+    _check_positive("--prompts", args.prompts)
+    _check_positive("--tokens", args.tokens, 2)
+    check_out(args.out)  # before minutes of decoding, not after
+    say = lambda m: print(f"-- {m}", file=sys.stderr, flush=True)  # noqa: E731
+    torch.set_num_threads(1)  # host-side lookups only; the program has its own threads
+    vectors = record_vectors(
+        args.bundle, prompts=args.prompts, tokens=args.tokens, depths=args.depths, progress=say
+    )
+    checked = replay_vectors(vectors)  # the engine agrees with what it is about to publish
+    path = write_vectors(vectors, args.out)
+    rounds = [r for c in vectors["cases"] for r in c["rounds"]]
+    print(
+        f"wrote {path}: {checked['cases']} cases, {checked['rounds']} decode rounds "
+        f"({sum(r['accepted'] for r in rounds)} of {sum(r['depth'] for r in rounds)} drafts "
+        f"accepted), {checked['method_choices']} method choices; replayed by the Python runtime"
+    )
+    return 0
+
+
 def _add_devices(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("devices", help="device profiles: list them, calibrate this host")
     what = p.add_subparsers(dest="devices_command", required=True)
@@ -967,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_simulate(sub)
     _add_devices(sub)
     _add_bench(sub)
+    _add_conformance(sub)
     if argv[:2] == ["bench", "collect"]:
         argv = ["bench-collect", *argv[2:]]
     args = parser.parse_args(argv)
@@ -982,6 +1038,7 @@ def main(argv: list[str] | None = None) -> int:
         "devices": run_devices,
         "bench": run_bench,
         "bench-collect": run_bench_collect,
+        "conformance": run_conformance,
     }
     name = args.command.replace("-", " ") if args.command == "bench-collect" else args.command
     # a killed export or quantize cleans up as after Ctrl-C

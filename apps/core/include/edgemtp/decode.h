@@ -1,0 +1,227 @@
+// The platform-free decode engine of the edgemtp apps: the Python runtime's decode loop
+// (runtime/generate.py over runtime/backends.py's StaticBackend), in C++17 with no
+// dependencies, so that the Android app (through JNI) and the iOS app (through Swift's C++
+// interoperability) run one engine that replays the Python runtime's conformance vectors.
+//
+// What lives here: greedy MTP accept/reject, the draft depth cap (budget, context end, deepest
+// verify method), cache positions and what the sliding rings still hold after a rollback, the
+// choice of verify/draft method (draft depth and context bucket) and its left padding, prefill
+// chunking into prefill_intermediate / prefill_final calls, and stop tokens. What does not: the
+// model. It sits behind `Model`, which a platform implements with ExecuTorch, ONNX Runtime or
+// Core ML (gathering embedding rows, running the bundle's methods, keeping hidden states).
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "edgemtp/json.h"
+
+namespace edgemtp {
+
+// A problem with the engine's input (a prompt, a manifest, a model's answer), in one line.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct MethodChoice {
+  std::string method;  // e.g. "verify_3" or "verify_3_ctx512"
+  int pad = 0;         // left pad rows the method needs beyond the real rows
+};
+
+// The static sizes every method of a bundle is built for (manifest "shapes"; export/static.py's
+// StaticShapes).
+struct Shapes {
+  int max_context = 0;
+  int max_draft = 0;
+  int chunk = 0;                      // rows per prefill call
+  std::vector<int> context_buckets;  // cache lengths with their own decode methods, ascending
+
+  // Throws Error unless the sizes are positive and each bucket lies in (max_draft, max_context).
+  void validate() const;
+  // Draft depths with a verify method: 0 and the deepest (shallower rounds are left-padded).
+  std::vector<int> verify_depths() const;
+  // The smallest context bucket holding positions < end; nullopt: the whole cache.
+  std::optional<int> bucket(int end) const;
+  // The verify method for `depth` drafts whose last row is at end - 1 (nullopt: any position).
+  MethodChoice verify_method(int depth, std::optional<int> end) const;
+  // The draft-step method for a step at `position` (it reads positions < position).
+  std::string draft_method(int position) const;
+};
+
+// One attention kind's cache buffer (manifest "cache.kinds"): a slot per position for full
+// attention, a ring for sliding attention, and a trash slot where pad rows are written.
+struct CacheKind {
+  std::string name;  // "full", "sliding"
+  int slots = 0;
+  int trash_slot = 0;
+
+  // The slot a row's K/V goes to: position % slots, a pad row the trash slot.
+  int slot(int position, bool pad) const { return pad ? trash_slot : position % slots; }
+};
+
+// Which positions the caches still hold after a rollback (runtime/backends.py's RingTracker).
+// A ring of n slots keeps position p until p + n is written. A query at `length` needs the
+// window (and the drafter one more) before it, so a truncation to `length` keeps the cache
+// usable only while nothing at or past oldest-needed + n has been written; otherwise the caller
+// must prefill again from position 0.
+class RingTracker {
+ public:
+  RingTracker() = default;
+  RingTracker(std::vector<int> slots, int window);
+  void wrote(int end);
+  bool keeps(int length) const;
+  // Records a truncation to `length`; true when the cache still holds [0, length).
+  bool truncated(int length);
+
+ private:
+  std::vector<int> slots_;
+  int window_ = 0;
+  int written_end_ = 0;  // one past the highest position written since the last reset
+};
+
+// What the engine reads from a bundle's manifest.json.
+struct BundleConfig {
+  Shapes shapes;
+  std::vector<CacheKind> cache_kinds;  // sorted by name
+  int sliding_window = 0;
+  int vocab_size = 0;
+  bool has_drafter = false;
+  std::vector<int> eos_token_ids;
+
+  // From a parsed manifest.json (or the "manifest" object of conformance vectors, which keeps
+  // the same paths). Throws Error naming the first missing or malformed field.
+  static BundleConfig from_manifest(const json::Value& manifest);
+};
+
+// One call of a row method (a prefill chunk or a verify round): `rows` real rows at positions
+// start.. after `pad` left pad rows. A pad row has zero inputs and position start + rows (so
+// its K/V go to the trash slot and no real row attends to it).
+struct RowCall {
+  std::string method;
+  int start = 0;
+  int rows = 0;
+  int pad = 0;
+  std::vector<int> ids;  // the real rows' token ids
+
+  // Every row's position, pad rows first: what the method's `positions` input holds.
+  std::vector<int> positions() const;
+};
+
+// The model as a platform runs it: the bundle's methods over the shared KV cache, which the
+// methods write themselves (a write at position p first forgets positions >= p, so rollback
+// needs no call). The model also keeps the drafter's hidden state between calls.
+class Model {
+ public:
+  virtual ~Model() = default;
+  // A full prompt chunk that is not the last: writes its K/V, returns nothing.
+  virtual void prefill_intermediate(const RowCall& call) = 0;
+  // The prompt's last chunk (left-padded to the chunk size): writes its K/V, keeps the last
+  // row's hidden state for the drafter, returns the argmax of its logits (the first token).
+  virtual int prefill_final(const RowCall& call) = 0;
+  // A verify round (ids: the last committed token, then the drafts): writes their K/V, keeps
+  // each real row's hidden state, returns the argmax of each real row's logits.
+  virtual std::vector<int> verify(const RowCall& call) = 0;
+  // After a verify: the drafter starts from the hidden state of real row `row` (the row of
+  // the token the round ends with).
+  virtual void draft_from_verify_row(int row) = 0;
+  // One draft step with `method`: the target embedding of `token` and the current drafter
+  // hidden state at `position`; replaces the hidden state with the step's and returns the
+  // greedy drafted token (with a clustered head: the candidate id of the largest logit).
+  virtual int draft_step(const std::string& method, int token, int position) = 0;
+};
+
+struct Truncation {
+  int length = 0;
+  bool keeps = true;  // the rings still hold [0, length)
+};
+
+struct DraftCall {
+  std::string method;
+  int position = 0;
+};
+
+// One decode round, as the conformance vectors record it.
+struct Round {
+  int position = 0;     // where input_token goes: the cache length before the round
+  int input_token = 0;  // the last committed token
+  int depth = 0;        // drafts this round
+  std::vector<DraftCall> draft_calls;
+  std::vector<int> drafted;
+  RowCall verify;
+  std::vector<int> target_argmax;  // per real verify row
+  int accepted = 0;
+  std::vector<int> committed;  // what the round adds to the output, cut after a stop token
+  std::vector<Truncation> truncates;
+  int position_after = 0;
+  std::vector<std::vector<int>> slots;  // per cache kind (BundleConfig order), per verify row
+};
+
+struct Generation {
+  std::vector<RowCall> prefill_calls;
+  int first_token = 0;
+  std::vector<Round> rounds;
+  std::vector<int> tokens;  // every committed token, the prefill's first included
+  std::string stop_reason;  // "stop", "length", "context" or "interrupted"
+};
+
+// Chooses each round's draft depth, at most `limit`.
+class DepthPolicy {
+ public:
+  virtual ~DepthPolicy() = default;
+  virtual int choose(int limit) = 0;
+  virtual void observe(const Round& round) { (void)round; }
+};
+
+class FixedDepth : public DepthPolicy {
+ public:
+  explicit FixedDepth(int depth) : depth_(depth) {}
+  int choose(int limit) override { return depth_ < limit ? depth_ : limit; }
+
+ private:
+  int depth_;
+};
+
+struct DecodeOptions {
+  int max_new_tokens = 0;  // committed tokens, the prefill's first included
+  std::vector<int> stop_ids;
+  int reused = 0;  // leading prompt tokens whose K/V the cache already holds (a chat's turns)
+  // Called with the first token, then with each round's committed tokens.
+  std::function<void(const std::vector<int>&)> on_tokens;
+  // Asked between rounds, where the cache holds exactly the committed tokens.
+  std::function<bool()> should_stop;
+};
+
+// One sequence over one model: prefill, then rounds of draft, verify, accept and roll back.
+class Decoder {
+ public:
+  Decoder(BundleConfig config, Model& model);
+
+  const BundleConfig& config() const { return config_; }
+
+  // Greedy generation after `prompt` (whose first options.reused tokens are in the cache).
+  // `max_new_tokens` counts committed tokens only: the depth shrinks near the end of the
+  // budget and of the context, so drafts never spend it.
+  Generation generate(const std::vector<int>& prompt, DepthPolicy& policy,
+                      const DecodeOptions& options);
+
+  // Forget positions >= length; false when a ring no longer holds [0, length) and the next
+  // generation must prefill from position 0.
+  bool truncate(int length);
+  void reset() { truncate(0); }
+
+ private:
+  void prefill(const std::vector<int>& ids, int start, Generation& out);
+  Round decode_round(int token, int position, int depth);
+  RowCall row_call(std::string method, const std::vector<int>& ids, int start, int pad) const;
+  void check_fits(int end) const;
+
+  BundleConfig config_;
+  Model& model_;
+  RingTracker rings_;
+};
+
+}  // namespace edgemtp

@@ -1,0 +1,332 @@
+#include "edgemtp/decode.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+namespace edgemtp {
+
+namespace {
+
+std::string bucketed(const std::string& method, std::optional<int> bucket) {
+  return bucket ? method + "_ctx" + std::to_string(*bucket) : method;
+}
+
+bool contains(const std::vector<int>& values, int x) {
+  return std::find(values.begin(), values.end(), x) != values.end();
+}
+
+}  // namespace
+
+// --- shapes ------------------------------------------------------------------------------------
+
+void Shapes::validate() const {
+  if (max_context < 2 || max_draft < 0 || chunk < 1) {
+    throw Error("shapes: max_context >= 2, max_draft >= 0 and chunk >= 1 required, got " +
+                std::to_string(max_context) + ", " + std::to_string(max_draft) + ", " +
+                std::to_string(chunk));
+  }
+  for (std::size_t i = 0; i < context_buckets.size(); ++i) {
+    int b = context_buckets[i];
+    if (!(max_draft < b && b < max_context) || (i > 0 && context_buckets[i - 1] >= b)) {
+      throw Error("shapes: context bucket " + std::to_string(b) +
+                  " must be ascending and lie between the draft depth + 1 and the max context, "
+                  "exclusive");
+    }
+  }
+}
+
+std::vector<int> Shapes::verify_depths() const {
+  if (max_draft == 0) return {0};
+  return {0, max_draft};
+}
+
+std::optional<int> Shapes::bucket(int end) const {
+  for (int b : context_buckets) {
+    if (end <= b) return b;
+  }
+  return std::nullopt;
+}
+
+MethodChoice Shapes::verify_method(int depth, std::optional<int> end) const {
+  for (int k : verify_depths()) {
+    if (k >= depth) {
+      std::optional<int> b = end ? bucket(*end) : std::nullopt;
+      return {bucketed("verify_" + std::to_string(k), b), k - depth};
+    }
+  }
+  throw Error("a round of " + std::to_string(depth) + " drafts: this bundle verifies at most " +
+              std::to_string(max_draft));
+}
+
+std::string Shapes::draft_method(int position) const {
+  return bucketed("draft_step", bucket(position));
+}
+
+// --- rings -------------------------------------------------------------------------------------
+
+RingTracker::RingTracker(std::vector<int> slots, int window)
+    : slots_(std::move(slots)), window_(window) {}
+
+void RingTracker::wrote(int end) { written_end_ = std::max(written_end_, end); }
+
+bool RingTracker::keeps(int length) const {
+  int oldest_needed = std::max(0, length - window_ - 1);
+  return std::all_of(slots_.begin(), slots_.end(),
+                     [&](int n) { return oldest_needed + n >= written_end_; });
+}
+
+bool RingTracker::truncated(int length) {
+  bool kept = keeps(length);
+  written_end_ = kept ? length : 0;
+  return kept;
+}
+
+// --- manifest ----------------------------------------------------------------------------------
+
+namespace {
+
+const json::Value& member(const json::Value& object, const std::string& key,
+                          const std::string& path) {
+  if (!object.is_object()) throw Error("manifest: " + path + " is not an object");
+  const json::Value* v = object.find(key);
+  if (v == nullptr) throw Error("manifest: missing " + (path.empty() ? key : path + "." + key));
+  return *v;
+}
+
+int integer(const json::Value& object, const std::string& key, const std::string& path) {
+  const json::Value& v = member(object, key, path);
+  try {
+    return v.as_int32();
+  } catch (const json::TypeError& e) {
+    throw Error("manifest: " + (path.empty() ? key : path + "." + key) + ": " + e.what());
+  }
+}
+
+std::vector<int> integers(const json::Value& object, const std::string& key,
+                          const std::string& path) {
+  const json::Value& v = member(object, key, path);
+  std::vector<int> out;
+  try {
+    for (const json::Value& x : v.as_array()) out.push_back(x.as_int32());
+  } catch (const json::TypeError& e) {
+    throw Error("manifest: " + path + "." + key + ": " + e.what());
+  }
+  return out;
+}
+
+}  // namespace
+
+BundleConfig BundleConfig::from_manifest(const json::Value& manifest) {
+  BundleConfig c;
+  const json::Value& shapes = member(manifest, "shapes", "");
+  c.shapes.max_context = integer(shapes, "max_context", "shapes");
+  c.shapes.max_draft = integer(shapes, "max_draft", "shapes");
+  c.shapes.chunk = integer(shapes, "chunk", "shapes");
+  c.shapes.context_buckets = integers(shapes, "context_buckets", "shapes");
+  std::sort(c.shapes.context_buckets.begin(), c.shapes.context_buckets.end());
+  c.shapes.context_buckets.erase(
+      std::unique(c.shapes.context_buckets.begin(), c.shapes.context_buckets.end()),
+      c.shapes.context_buckets.end());
+  c.shapes.validate();
+
+  const json::Value& kinds = member(member(manifest, "cache", ""), "kinds", "cache");
+  if (!kinds.is_object() || kinds.size() == 0) {
+    throw Error("manifest: cache.kinds must be an object with one entry per attention kind");
+  }
+  for (const auto& [name, kind] : kinds.as_object()) {  // std::map: sorted by name
+    std::string path = "cache.kinds." + name;
+    CacheKind k{name, integer(kind, "slots", path), integer(kind, "trash_slot", path)};
+    if (k.slots < 1 || k.slots > c.shapes.max_context) {
+      throw Error("manifest: " + path + ".slots must be in 1.." +
+                  std::to_string(c.shapes.max_context));
+    }
+    c.cache_kinds.push_back(k);
+  }
+
+  const json::Value& model = member(manifest, "model", "");
+  c.sliding_window = integer(model, "sliding_window", "model");
+  c.vocab_size = integer(model, "vocab_size", "model");
+  c.eos_token_ids = integers(model, "eos_token_ids", "model");
+  if (c.vocab_size < 1 || c.sliding_window < 1) {
+    throw Error("manifest: model.vocab_size and model.sliding_window must be >= 1");
+  }
+  c.has_drafter = !member(manifest, "drafter", "").is_null();
+  return c;
+}
+
+// --- rows --------------------------------------------------------------------------------------
+
+std::vector<int> RowCall::positions() const {
+  std::vector<int> out(static_cast<std::size_t>(pad), start + rows);
+  for (int i = 0; i < rows; ++i) out.push_back(start + i);
+  return out;
+}
+
+// --- the decoder -------------------------------------------------------------------------------
+
+Decoder::Decoder(BundleConfig config, Model& model) : config_(std::move(config)), model_(model) {
+  config_.shapes.validate();
+  std::vector<int> slots;
+  for (const CacheKind& k : config_.cache_kinds) slots.push_back(k.slots);
+  rings_ = RingTracker(slots, config_.sliding_window);
+}
+
+bool Decoder::truncate(int length) { return rings_.truncated(length); }
+
+void Decoder::check_fits(int end) const {
+  if (end > config_.shapes.max_context) {
+    throw Error("context full: " + std::to_string(end) +
+                " tokens exceed the bundle's max context " +
+                std::to_string(config_.shapes.max_context));
+  }
+}
+
+RowCall Decoder::row_call(std::string method, const std::vector<int>& ids, int start,
+                          int pad) const {
+  RowCall call;
+  call.method = std::move(method);
+  call.start = start;
+  call.rows = static_cast<int>(ids.size());
+  call.pad = pad;
+  call.ids = ids;
+  return call;
+}
+
+void Decoder::prefill(const std::vector<int>& ids, int start, Generation& out) {
+  const int chunk = config_.shapes.chunk;
+  const int n = static_cast<int>(ids.size());
+  check_fits(start + n);
+  // Full chunks through prefill_intermediate, the rest (1..chunk rows) left-padded into
+  // prefill_final, which alone produces the logits.
+  const int last_start = (n - 1) / chunk * chunk;
+  for (int i = 0; i < last_start; i += chunk) {
+    std::vector<int> rows(ids.begin() + i, ids.begin() + i + chunk);
+    out.prefill_calls.push_back(row_call("prefill_intermediate", rows, start + i, 0));
+    model_.prefill_intermediate(out.prefill_calls.back());
+  }
+  std::vector<int> rows(ids.begin() + last_start, ids.end());
+  int pad = chunk - static_cast<int>(rows.size());
+  out.prefill_calls.push_back(row_call("prefill_final", rows, start + last_start, pad));
+  out.first_token = model_.prefill_final(out.prefill_calls.back());
+  rings_.wrote(start + n);
+}
+
+Round Decoder::decode_round(int token, int position, int depth) {
+  const Shapes& shapes = config_.shapes;
+  Round r;
+  r.position = position;
+  r.input_token = token;
+  r.depth = depth;
+  std::vector<int> fed{token};
+  for (int i = 0; i < depth; ++i) {
+    // Every step of a round sits at the same position: the drafter attends to the cache
+    // before it, never to its own drafts.
+    r.draft_calls.push_back({shapes.draft_method(position), position});
+    int drafted = model_.draft_step(r.draft_calls.back().method, fed.back(), position);
+    if (drafted < 0 || drafted >= config_.vocab_size) {
+      throw Error("the drafter returned token " + std::to_string(drafted) +
+                  ", outside the vocabulary");
+    }
+    r.drafted.push_back(drafted);
+    fed.push_back(drafted);
+  }
+  const int end = position + depth + 1;
+  check_fits(end);
+  MethodChoice choice = shapes.verify_method(depth, end);
+  r.verify = row_call(choice.method, fed, position, choice.pad);
+  r.target_argmax = model_.verify(r.verify);
+  if (static_cast<int>(r.target_argmax.size()) != depth + 1) {
+    throw Error(r.verify.method + " returned " + std::to_string(r.target_argmax.size()) +
+                " rows for " + std::to_string(depth + 1) + " real rows");
+  }
+  rings_.wrote(end);
+  for (const CacheKind& kind : config_.cache_kinds) {
+    std::vector<int> slots;
+    std::vector<int> positions = r.verify.positions();
+    for (std::size_t i = 0; i < positions.size(); ++i) {
+      slots.push_back(kind.slot(positions[i], static_cast<int>(i) < r.verify.pad));
+    }
+    r.slots.push_back(std::move(slots));
+  }
+  // Greedy acceptance: the longest prefix of drafts equal to the target's own choice after
+  // the tokens before them, then the target's token at the first disagreement (or after the
+  // last draft): greedy MTP commits exactly what greedy AR would.
+  int n = 0;
+  while (n < depth && r.drafted[n] == r.target_argmax[n]) ++n;
+  r.accepted = n;
+  r.committed.assign(r.drafted.begin(), r.drafted.begin() + n);
+  r.committed.push_back(r.target_argmax[n]);
+  // The rejected drafts' K/V stay in the cache until the next write at their positions
+  // forgets them; the rings are sized so that no live entry was overwritten.
+  r.truncates.push_back({position + n + 1, truncate(position + n + 1)});
+  model_.draft_from_verify_row(n);
+  return r;
+}
+
+Generation Decoder::generate(const std::vector<int>& prompt, DepthPolicy& policy,
+                             const DecodeOptions& options) {
+  const Shapes& shapes = config_.shapes;
+  const int length = static_cast<int>(prompt.size());
+  if (prompt.empty()) throw Error("the prompt is empty");
+  for (int t : prompt) {
+    if (t < 0 || t >= config_.vocab_size) {
+      throw Error("prompt id " + std::to_string(t) + " is outside the vocabulary (0.." +
+                  std::to_string(config_.vocab_size - 1) + ")");
+    }
+  }
+  if (length >= shapes.max_context) {
+    throw Error("the prompt has " + std::to_string(length) +
+                " tokens; this model's context holds " + std::to_string(shapes.max_context));
+  }
+  if (options.reused < 0 || options.reused >= length) {
+    throw Error("reused " + std::to_string(options.reused) + " of a " + std::to_string(length) +
+                "-token prompt: one must be new");
+  }
+  if (options.max_new_tokens < 1) throw Error("max_new_tokens must be >= 1");
+  const auto is_stop = [&](int t) { return contains(options.stop_ids, t); };
+
+  Generation out;
+  std::vector<int> ids(prompt.begin() + options.reused, prompt.end());
+  prefill(ids, options.reused, out);
+  out.tokens.push_back(out.first_token);
+  if (options.on_tokens) options.on_tokens(out.tokens);
+  int position = length;  // where the last committed token goes: committed, not yet cached
+  out.stop_reason = "length";
+  while (static_cast<int>(out.tokens.size()) < options.max_new_tokens &&
+         !is_stop(out.tokens.back())) {
+    if (options.should_stop && options.should_stop()) {
+      out.stop_reason = "interrupted";
+      break;
+    }
+    const int room = shapes.max_context - position;  // rows the cache can still take
+    if (room < 1) {
+      out.stop_reason = "context";
+      break;
+    }
+    const int budget_left = options.max_new_tokens - static_cast<int>(out.tokens.size()) - 1;
+    const int limit = std::min({shapes.max_draft, budget_left, room - 1});
+    const int depth = config_.has_drafter ? policy.choose(limit) : 0;
+    if (depth < 0 || depth > limit) {
+      throw Error("the depth policy chose " + std::to_string(depth) + " drafts, limit " +
+                  std::to_string(limit));
+    }
+    Round r = decode_round(out.tokens.back(), position, depth);
+    position += static_cast<int>(r.committed.size());
+    auto stop = std::find_if(r.committed.begin(), r.committed.end(), is_stop);
+    if (stop != r.committed.end()) {  // tokens after a stop were cached: forget them
+      position -= static_cast<int>(r.committed.end() - stop) - 1;
+      r.committed.erase(stop + 1, r.committed.end());
+      r.truncates.push_back({position, truncate(position)});
+    }
+    r.position_after = position;
+    out.tokens.insert(out.tokens.end(), r.committed.begin(), r.committed.end());
+    if (options.on_tokens) options.on_tokens(r.committed);
+    policy.observe(r);
+    out.rounds.push_back(std::move(r));
+  }
+  if (is_stop(out.tokens.back())) out.stop_reason = "stop";
+  return out;
+}
+
+}  // namespace edgemtp

@@ -1,0 +1,364 @@
+// Unit tests of the decode core that need no vectors: the JSON reader, method choice, ring
+// bookkeeping, manifest parsing, and the decode loop over a scripted model whose greedy
+// continuation is known, so that MTP at every depth can be checked token-identical to AR.
+#include <algorithm>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "edgemtp/decode.h"
+#include "edgemtp/json.h"
+
+namespace {
+
+using edgemtp::json::Value;
+
+int failures = 0;
+
+void check(bool ok, const std::string& what, int line) {
+  if (!ok) {
+    ++failures;
+    std::cerr << "core_test.cpp:" << line << ": FAILED: " << what << "\n";
+  }
+}
+
+#define CHECK(cond) check((cond), #cond, __LINE__)
+#define CHECK_EQ(a, b) check((a) == (b), #a " == " #b, __LINE__)
+
+// True when `body` throws E whose message contains `needle`.
+template <typename E>
+bool throws(const std::function<void()>& body, const std::string& needle) {
+  try {
+    body();
+  } catch (const E& e) {
+    if (std::string(e.what()).find(needle) != std::string::npos) return true;
+    std::cerr << "  (threw \"" << e.what() << "\", wanted \"" << needle << "\")\n";
+    return false;
+  }
+  return false;
+}
+
+// --- JSON ------------------------------------------------------------------------------------
+
+void test_json() {
+  Value v = Value::parse(
+      " {\"a\": [1, -2, 3.5, 1e2, true, false, null], \"s\": \"x\\\"\\\\\\n\\u00e9\\ud83d\\ude00\","
+      " \"o\": {}, \"e\": []} ");
+  CHECK_EQ(v["a"].size(), 7u);
+  CHECK_EQ(v["a"][0].as_int(), 1);
+  CHECK_EQ(v["a"][1].as_int32(), -2);
+  CHECK_EQ(v["a"][2].as_number(), 3.5);
+  CHECK(!v["a"][3].is_integer());
+  CHECK_EQ(v["a"][3].as_number(), 100.0);
+  CHECK(v["a"][4].as_bool() && !v["a"][5].as_bool() && v["a"][6].is_null());
+  CHECK_EQ(v["s"].as_string(), std::string("x\"\\\n\xC3\xA9\xF0\x9F\x98\x80"));
+  CHECK(v["o"].is_object() && v["o"].size() == 0 && v["e"].is_array());
+  CHECK(v.find("missing") == nullptr);
+  CHECK(throws<edgemtp::json::TypeError>([&] { (void)v["missing"]; }, "missing member"));
+  CHECK(throws<edgemtp::json::TypeError>([&] { (void)v["a"][2].as_int(); }, "integer"));
+  CHECK(throws<edgemtp::json::TypeError>([&] { (void)v["s"].as_array(); }, "an array"));
+  CHECK(throws<edgemtp::json::TypeError>([&] { (void)v["a"][9]; }, "index 9"));
+  // Round trip through dump (sorted keys, compact).
+  CHECK_EQ(Value::parse(v.dump()), v);
+  CHECK_EQ(Value::parse("{\"b\":1,\"a\":[2]}").dump(), std::string("{\"a\": [2], \"b\": 1}"));
+  CHECK_EQ(Value::parse("9223372036854775807").as_int(), 9223372036854775807LL);
+
+  const char* bad[][2] = {
+      {"", "unexpected end"},
+      {"[1,]", "unexpected character"},
+      {"{\"a\":1,}", "expected a string key"},
+      {"01", "unexpected text after"},
+      {"1.", "digits must follow '.'"},
+      {"-", "invalid number"},
+      {"\"abc", "unterminated string"},
+      {"\"a\tb\"", "control character"},
+      {"\"\\x\"", "invalid escape"},
+      {"\"\\ud800\"", "unpaired surrogate"},
+      {"{\"a\":1,\"a\":2}", "duplicate key"},
+      {"[1] [2]", "unexpected text after"},
+      {"tru", "invalid literal"},
+      {"1e999", "out of range"},
+  };
+  for (const auto& [text, message] : bad) {
+    CHECK(throws<edgemtp::json::ParseError>([&] { Value::parse(text); }, message));
+  }
+  CHECK(throws<edgemtp::json::ParseError>([] { Value::parse("{\n  \"a\": x}"); },
+                                          "line 2, column 8"));
+  std::string deep(300, '[');
+  CHECK(throws<edgemtp::json::ParseError>([&] { Value::parse(deep); }, "nesting deeper"));
+}
+
+// --- shapes and rings --------------------------------------------------------------------------
+
+void test_shapes() {
+  edgemtp::Shapes s{8192, 3, 128, {512, 2048}};
+  s.validate();
+  CHECK_EQ(s.verify_method(0, 1).method, std::string("verify_0_ctx512"));
+  CHECK_EQ(s.verify_method(2, 512).method, std::string("verify_3_ctx512"));
+  CHECK_EQ(s.verify_method(2, 512).pad, 1);
+  CHECK_EQ(s.verify_method(1, 513).method, std::string("verify_3_ctx2048"));
+  CHECK_EQ(s.verify_method(3, 2049).method, std::string("verify_3"));
+  CHECK_EQ(s.verify_method(3, std::nullopt).method, std::string("verify_3"));
+  CHECK_EQ(s.draft_method(512), std::string("draft_step_ctx512"));
+  CHECK_EQ(s.draft_method(513), std::string("draft_step_ctx2048"));
+  CHECK_EQ(s.draft_method(8000), std::string("draft_step"));
+  CHECK(throws<edgemtp::Error>([&] { s.verify_method(4, 10); }, "at most 3"));
+  edgemtp::Shapes ar{64, 0, 16, {}};
+  CHECK_EQ(ar.verify_method(0, 5).method, std::string("verify_0"));
+  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 16, {3}}.validate(); }, "bucket 3"));
+  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 16, {64}}.validate(); }, "bucket 64"));
+  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 0, {}}.validate(); }, "chunk >= 1"));
+
+  edgemtp::RowCall call{"verify_3", 40, 2, 2, {7, 8}};
+  CHECK(call.positions() == std::vector<int>({42, 42, 40, 41}));
+}
+
+void test_rings() {
+  // Window 16, deepest draft 4: a 21-slot ring (window + max_draft + 1) beside a full cache.
+  edgemtp::RingTracker rings({256, 21}, 16);
+  rings.wrote(40);
+  CHECK(rings.keeps(38));      // oldest needed 21: 21 + 21 >= 40
+  CHECK(!rings.keeps(20));     // oldest needed 3: position 24.. overwrote it
+  CHECK(rings.truncated(38));  // a rejected draft rolled back
+  rings.wrote(60);
+  CHECK(!rings.truncated(20));  // a chat rolled back past the ring: prefill again
+  CHECK(rings.keeps(50));       // nothing written since the reset
+  edgemtp::RingTracker reset({256, 21}, 16);
+  reset.wrote(80);
+  CHECK(!reset.truncated(50));  // lost: the cache counts as empty, the next prefill starts at 0
+  reset.wrote(10);
+  CHECK(reset.keeps(5));
+  edgemtp::CacheKind ring{"sliding", 21, 21};
+  CHECK_EQ(ring.slot(45, false), 3);
+  CHECK_EQ(ring.slot(45, true), 21);
+}
+
+// --- manifest ----------------------------------------------------------------------------------
+
+const char* kManifest = R"({
+  "shapes": {"max_context": 64, "max_draft": 3, "chunk": 8, "context_buckets": []},
+  "cache": {"kinds": {"sliding": {"slots": 20, "trash_slot": 20, "ring": true},
+                      "full": {"slots": 64, "trash_slot": 64, "ring": false}}},
+  "model": {"sliding_window": 16, "vocab_size": 97, "eos_token_ids": [1]},
+  "drafter": {"num_layers": 2}
+})";
+
+void test_manifest() {
+  edgemtp::BundleConfig c = edgemtp::BundleConfig::from_manifest(Value::parse(kManifest));
+  CHECK_EQ(c.shapes.chunk, 8);
+  CHECK_EQ(c.cache_kinds.size(), 2u);
+  CHECK_EQ(c.cache_kinds[0].name, std::string("full"));  // sorted by name
+  CHECK_EQ(c.cache_kinds[1].slots, 20);
+  CHECK(c.has_drafter);
+  CHECK(c.eos_token_ids == std::vector<int>({1}));
+  std::string no_chunk = kManifest;
+  no_chunk.replace(no_chunk.find("\"chunk\": 8, "), 12, "");
+  CHECK(throws<edgemtp::Error>(
+      [&] { edgemtp::BundleConfig::from_manifest(Value::parse(no_chunk)); },
+      "missing shapes.chunk"));
+  std::string bad_vocab = kManifest;
+  bad_vocab.replace(bad_vocab.find("97"), 2, "\"x\"");
+  CHECK(throws<edgemtp::Error>(
+      [&] { edgemtp::BundleConfig::from_manifest(Value::parse(bad_vocab)); },
+      "model.vocab_size"));
+}
+
+// --- the decode loop ---------------------------------------------------------------------------
+
+// A model whose greedy continuation is a known function of (token, position), over a cache it
+// checks is written contiguously; its drafter proposes that continuation but errs at some
+// positions, so rounds accept none, some or all of their drafts.
+class ScriptedModel : public edgemtp::Model {
+ public:
+  explicit ScriptedModel(int vocab) : vocab_(vocab) {}
+
+  int next(int token, int position) const { return (token * 31 + position * 7 + 11) % vocab_; }
+  // Positions where the drafter errs: 3 of every 11, irregularly spaced.
+  static bool wrong(int position) { return (position * position * 3 + position) % 11 < 3; }
+
+  std::vector<std::string> methods;  // every method called, in order
+  std::vector<int> cache;            // token per cached position
+
+  void prefill_intermediate(const edgemtp::RowCall& call) override { write(call); }
+
+  int prefill_final(const edgemtp::RowCall& call) override {
+    write(call);
+    return next(call.ids.back(), call.start + call.rows - 1);
+  }
+
+  std::vector<int> verify(const edgemtp::RowCall& call) override {
+    write(call);
+    std::vector<int> out;
+    for (int i = 0; i < call.rows; ++i) out.push_back(next(call.ids[i], call.start + i));
+    return out;
+  }
+
+  void draft_from_verify_row(int row) override {
+    (void)row;
+    steps_ = 0;
+  }
+
+  int draft_step(const std::string& method, int token, int position) override {
+    methods.push_back(method);
+    int at = position + steps_++;  // the fed token's position
+    int guess = next(token, at);
+    return wrong(at + 1) ? (guess + 1) % vocab_ : guess;
+  }
+
+ private:
+  void write(const edgemtp::RowCall& call) {
+    methods.push_back(call.method);
+    // A write at p forgets positions >= p (the methods' implicit rollback); it must not skip.
+    check(call.start <= static_cast<int>(cache.size()), "contiguous cache write", __LINE__);
+    cache.resize(static_cast<std::size_t>(call.start));
+    cache.insert(cache.end(), call.ids.begin(), call.ids.end());
+    steps_ = 0;
+  }
+
+  int vocab_;
+  int steps_ = 0;
+};
+
+edgemtp::BundleConfig scripted_config(int max_context, int max_draft, int chunk,
+                                      std::vector<int> buckets = {}) {
+  edgemtp::BundleConfig c;
+  c.shapes = {max_context, max_draft, chunk, std::move(buckets)};
+  int ring = std::min(max_context, 16 + max_draft + 1);
+  c.cache_kinds = {{"full", max_context, max_context}, {"sliding", ring, ring}};
+  c.sliding_window = 16;
+  c.vocab_size = 97;
+  c.has_drafter = true;
+  return c;
+}
+
+std::vector<int> prompt_of(int n) {
+  std::vector<int> p;
+  for (int i = 0; i < n; ++i) p.push_back((i * 13 + 5) % 97);
+  return p;
+}
+
+edgemtp::Generation run(const edgemtp::BundleConfig& config, const std::vector<int>& prompt,
+                        int depth, int budget, std::vector<int> stops = {},
+                        ScriptedModel* seen = nullptr) {
+  ScriptedModel model(config.vocab_size);
+  edgemtp::Decoder decoder(config, model);
+  edgemtp::FixedDepth policy(depth);
+  edgemtp::DecodeOptions options;
+  options.max_new_tokens = budget;
+  options.stop_ids = std::move(stops);
+  edgemtp::Generation g = decoder.generate(prompt, policy, options);
+  if (seen != nullptr) *seen = model;
+  return g;
+}
+
+void test_decode() {
+  edgemtp::BundleConfig config = scripted_config(128, 4, 8);
+  std::vector<int> prompt = prompt_of(19);  // two full chunks and 3 rows
+  edgemtp::Generation ar = run(config, prompt, 0, 60);
+  CHECK_EQ(ar.tokens.size(), 60u);
+  CHECK_EQ(ar.stop_reason, std::string("length"));
+  CHECK_EQ(ar.prefill_calls.size(), 3u);
+  CHECK_EQ(ar.prefill_calls[1].method, std::string("prefill_intermediate"));
+  CHECK_EQ(ar.prefill_calls[1].start, 8);
+  CHECK_EQ(ar.prefill_calls[2].method, std::string("prefill_final"));
+  CHECK_EQ(ar.prefill_calls[2].rows, 3);
+  CHECK_EQ(ar.prefill_calls[2].pad, 5);
+  for (int depth = 1; depth <= 4; ++depth) {
+    edgemtp::Generation mtp = run(config, prompt, depth, 60);
+    CHECK(mtp.tokens == ar.tokens);  // greedy MTP is token-identical to greedy AR
+    std::vector<int> accepted;
+    for (const edgemtp::Round& r : mtp.rounds) {
+      accepted.push_back(r.accepted);
+      CHECK(r.depth <= depth);
+      CHECK_EQ(r.verify.method, std::string(r.depth == 0 ? "verify_0" : "verify_4"));
+      CHECK_EQ(r.verify.pad, r.depth == 0 ? 0 : 4 - r.depth);
+      CHECK_EQ(r.position_after, r.position + r.accepted + 1);
+    }
+    CHECK(std::count(accepted.begin(), accepted.end(), 0) > 0);
+    CHECK(std::count(accepted.begin(), accepted.end(), depth) > 0);
+    if (depth >= 2) CHECK(std::count(accepted.begin(), accepted.end(), 1) > 0);
+    // Each round drafts min(pinned, deepest, budget left after its own token, room left - 1):
+    // drafts never spend the budget.
+    for (const edgemtp::Round& r : mtp.rounds) {
+      int committed_before = r.position - static_cast<int>(prompt.size()) + 1;
+      int limit = std::min({depth, 4, 60 - committed_before - 1, 128 - r.position - 1});
+      CHECK_EQ(r.depth, limit);
+    }
+  }
+}
+
+void test_budget_context_and_stops() {
+  edgemtp::BundleConfig config = scripted_config(64, 3, 8);
+  // Context end: the room left caps the depth, and generation ends with the cache full.
+  edgemtp::Generation full = run(config, prompt_of(50), 3, 100);
+  CHECK_EQ(full.stop_reason, std::string("context"));
+  CHECK_EQ(full.rounds.back().position_after, 64);
+  CHECK_EQ(full.tokens.size(), 64u - 50u + 1u);
+  for (const edgemtp::Round& r : full.rounds) CHECK(r.position + r.depth + 1 <= 64);
+
+  // A stop token committed mid-round ends generation there and rolls the cache back to it.
+  edgemtp::Generation free_run = run(config, prompt_of(10), 3, 40);
+  int stop_token = -1;
+  std::size_t round_index = 0;
+  for (std::size_t i = 0; i < free_run.rounds.size() && stop_token < 0; ++i) {
+    const edgemtp::Round& r = free_run.rounds[i];
+    std::vector<int> before(free_run.tokens.begin(),
+                            free_run.tokens.begin() + (r.position - 10 + 1));
+    if (r.committed.size() >= 2 &&
+        std::find(before.begin(), before.end(), r.committed[0]) == before.end()) {
+      stop_token = r.committed[0];
+      round_index = i;
+    }
+  }
+  CHECK(stop_token >= 0);
+  edgemtp::Generation stopped = run(config, prompt_of(10), 3, 40, {stop_token});
+  CHECK_EQ(stopped.stop_reason, std::string("stop"));
+  CHECK_EQ(stopped.tokens.back(), stop_token);
+  CHECK_EQ(stopped.rounds.size(), round_index + 1);
+  const edgemtp::Round& last = stopped.rounds.back();
+  CHECK_EQ(last.committed.size(), 1u);
+  CHECK_EQ(last.truncates.size(), 2u);
+  CHECK_EQ(last.truncates.back().length, last.position + 1);
+
+  // Bad input is refused in one line.
+  CHECK(throws<edgemtp::Error>([&] { run(config, {}, 0, 4); }, "empty"));
+  CHECK(throws<edgemtp::Error>([&] { run(config, {97}, 0, 4); }, "outside the vocabulary"));
+  CHECK(throws<edgemtp::Error>([&] { run(config, prompt_of(64), 0, 4); }, "context holds 64"));
+}
+
+void test_context_buckets() {
+  edgemtp::BundleConfig config = scripted_config(256, 2, 8, {32, 64});
+  edgemtp::Generation g = run(config, prompt_of(20), 2, 60);
+  auto bucket_suffix = [](int end) -> std::string {
+    return end <= 32 ? "_ctx32" : end <= 64 ? "_ctx64" : "";
+  };
+  bool crossed = false;
+  for (const edgemtp::Round& r : g.rounds) {
+    int end = r.position + r.depth + 1;
+    crossed = crossed || end > 64;
+    CHECK_EQ(r.verify.method, (r.depth == 0 ? "verify_0" : "verify_2") + bucket_suffix(end));
+    for (const edgemtp::DraftCall& d : r.draft_calls) {
+      CHECK_EQ(d.method, "draft_step" + bucket_suffix(d.position));
+    }
+  }
+  CHECK(crossed);
+}
+
+}  // namespace
+
+int main() {
+  test_json();
+  test_shapes();
+  test_rings();
+  test_manifest();
+  test_decode();
+  test_budget_context_and_stops();
+  test_context_buckets();
+  if (failures != 0) {
+    std::cerr << failures << " check(s) failed\n";
+    return 1;
+  }
+  std::cout << "core_test: all checks passed\n";
+  return 0;
+}
