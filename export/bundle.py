@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -34,6 +33,7 @@ import torch
 from edgemtp import __version__
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.static import StaticBundle, StaticShapes, method_kind
+from edgemtp.files import staged_folder
 from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.model.config import TextConfig
 from edgemtp.model.gemma4 import Rows, TokenTables
@@ -474,9 +474,6 @@ def _check_configs(target: Path, drafter: Path | None) -> None:
 
 def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
     """Export target (+ drafter) to a bundle at `req.out`; returns the manifest."""
-    from edgemtp.export.weights import attach_int4, int4_counts
-    from edgemtp.model.checkpoint import load_drafter, load_target
-
     check_pair(req.backend, req.delegate)
     if req.shapes.context_buckets and (req.backend, req.delegate) != ("executorch", "cpu"):
         raise EdgeMTPError(
@@ -502,98 +499,99 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
     _check_configs(req.model, req.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_space(out, req.model, req.drafter)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     scratch = Path(tempfile.mkdtemp(prefix=".edgemtp-quantize.", dir=out.parent))
     try:
-        stage = time.perf_counter()
-        target_path, scheme = _prepare(req.model, req.quant, "target", scratch, progress)
-        drafter_path = None
-        if req.drafter is not None:
-            drafter_path, _ = _prepare(req.drafter, req.quant, "drafter", scratch, progress)
-        target: Target = load_target(target_path)
-        drafter: Drafter | None = (
-            load_drafter(drafter_path, target.cfg) if drafter_path is not None else None
-        )
-        attach_int4(target.model, target.source, target.names)
-        if drafter is not None:
-            attach_int4(drafter.model, drafter.source, drafter.names)
-        progress(f"load: {time.perf_counter() - stage:.1f} s")
-        static = StaticBundle.build(target.model, drafter.model if drafter else None, req.shapes)
-        stage = time.perf_counter()
-        signatures = method_signatures(static)
-        progress(f"trace: method signatures {time.perf_counter() - stage:.1f} s")
-        extra: dict[str, Any] = {}
-        if req.backend == "onnx":  # the tables: the htp delegate calibrates activations on them
-            extra = {"tables": target.tables, "activations": req.activations or "int8"}
-        lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
-        stage = time.perf_counter()
-        tables = write_tables(target.tables, tmp, progress)
-        (tmp / "config.json").write_text(json.dumps(target.cfg.raw, indent=1, sort_keys=True))
-        if drafter is not None:
-            raw = json.dumps(drafter.cfg.raw, indent=1, sort_keys=True)
-            (tmp / "drafter_config.json").write_text(raw)
-        tokenizer = copy_tokenizer(Path(req.model), tmp)
-        manifest = {
-            "schema_version": SCHEMA_VERSION,
-            "edgemtp_version": __version__,
-            "backend": req.backend,
-            "delegate": req.delegate,
-            "program": lowered.program,
-            "shapes": asdict(req.shapes),
-            "model": {
-                "config": "config.json",
-                "hidden_size": target.cfg.hidden_size,
-                "vocab_size": target.cfg.vocab_size,
-                "num_layers": target.cfg.num_layers,
-                "sliding_window": target.cfg.sliding_window,
-                "first_shared_layer": target.cfg.first_shared_layer,
-                "store_layers": target.cfg.store_layers,
-                "eos_token_ids": list(target.cfg.eos_token_ids),
-                "bos_token_id": target.cfg.bos_token_id,
-                "layers": layer_roles(target.cfg),
-            },
-            "drafter": None
-            if drafter is None
-            else {
-                "config": "drafter_config.json",
-                "num_layers": drafter.cfg.text.num_layers,
-                "hidden_size": drafter.cfg.text.hidden_size,
-                "clustered_head": drafter.cfg.use_ordered_embeddings,
-                "num_centroids": drafter.cfg.num_centroids,
-                "centroid_top_k": drafter.cfg.centroid_top_k,
-            },
-            "cache": cache_layout(static),
-            "methods": signatures,
-            "method_io": lowered.method_io,
-            "quantization": {
-                "scheme": scheme,
-                "int4_linears": int4_counts(target.model, *([drafter.model] if drafter else [])),
-                "tables": {role: d["format"] for role, d in tables.items() if role != "file"},
-            },
-            "numerics": lowered.numerics,
-            "backend_details": lowered.details,
-            "tables": tables,
-            "tokenizer": tokenizer,
-        }
-        manifest = write_manifest(tmp, manifest)
-        progress(f"serialize: {time.perf_counter() - stage:.1f} s")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; a bundle is not
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with staged_folder(out) as tmp:
+            manifest = _write_bundle(req, tmp, scratch, progress)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
         if err.errno == 28:  # ENOSPC
             raise EdgeMTPError(
                 f"no space left while writing {out}; nothing was written there: free space or "
                 "choose another --out"
             ) from None
         raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return manifest
+
+
+def _write_bundle(
+    req: ExportRequest, tmp: Path, scratch: Path, progress: Progress
+) -> dict[str, Any]:
+    """Everything `export` writes, into `tmp` (quantized inputs go to `scratch`)."""
+    from edgemtp.export.weights import attach_int4, int4_counts
+    from edgemtp.model.checkpoint import load_drafter, load_target
+
+    stage = time.perf_counter()
+    target_path, scheme = _prepare(req.model, req.quant, "target", scratch, progress)
+    drafter_path = None
+    if req.drafter is not None:
+        drafter_path, _ = _prepare(req.drafter, req.quant, "drafter", scratch, progress)
+    target: Target = load_target(target_path)
+    drafter: Drafter | None = (
+        load_drafter(drafter_path, target.cfg) if drafter_path is not None else None
+    )
+    attach_int4(target.model, target.source, target.names)
+    if drafter is not None:
+        attach_int4(drafter.model, drafter.source, drafter.names)
+    progress(f"load: {time.perf_counter() - stage:.1f} s")
+    static = StaticBundle.build(target.model, drafter.model if drafter else None, req.shapes)
+    stage = time.perf_counter()
+    signatures = method_signatures(static)
+    progress(f"trace: method signatures {time.perf_counter() - stage:.1f} s")
+    extra: dict[str, Any] = {}
+    if req.backend == "onnx":  # the tables: the htp delegate calibrates activations on them
+        extra = {"tables": target.tables, "activations": req.activations or "int8"}
+    lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
+    stage = time.perf_counter()
+    tables = write_tables(target.tables, tmp, progress)
+    (tmp / "config.json").write_text(json.dumps(target.cfg.raw, indent=1, sort_keys=True))
+    if drafter is not None:
+        raw = json.dumps(drafter.cfg.raw, indent=1, sort_keys=True)
+        (tmp / "drafter_config.json").write_text(raw)
+    tokenizer = copy_tokenizer(Path(req.model), tmp)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "edgemtp_version": __version__,
+        "backend": req.backend,
+        "delegate": req.delegate,
+        "program": lowered.program,
+        "shapes": asdict(req.shapes),
+        "model": {
+            "config": "config.json",
+            "hidden_size": target.cfg.hidden_size,
+            "vocab_size": target.cfg.vocab_size,
+            "num_layers": target.cfg.num_layers,
+            "sliding_window": target.cfg.sliding_window,
+            "first_shared_layer": target.cfg.first_shared_layer,
+            "store_layers": target.cfg.store_layers,
+            "eos_token_ids": list(target.cfg.eos_token_ids),
+            "bos_token_id": target.cfg.bos_token_id,
+            "layers": layer_roles(target.cfg),
+        },
+        "drafter": None
+        if drafter is None
+        else {
+            "config": "drafter_config.json",
+            "num_layers": drafter.cfg.text.num_layers,
+            "hidden_size": drafter.cfg.text.hidden_size,
+            "clustered_head": drafter.cfg.use_ordered_embeddings,
+            "num_centroids": drafter.cfg.num_centroids,
+            "centroid_top_k": drafter.cfg.centroid_top_k,
+        },
+        "cache": cache_layout(static),
+        "methods": signatures,
+        "method_io": lowered.method_io,
+        "quantization": {
+            "scheme": scheme,
+            "int4_linears": int4_counts(target.model, *([drafter.model] if drafter else [])),
+            "tables": {role: d["format"] for role, d in tables.items() if role != "file"},
+        },
+        "numerics": lowered.numerics,
+        "backend_details": lowered.details,
+        "tables": tables,
+        "tokenizer": tokenizer,
+    }
+    manifest = write_manifest(tmp, manifest)
+    progress(f"serialize: {time.perf_counter() - stage:.1f} s")
     return manifest

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 
 from edgemtp.errors import EdgeMTPError
+from edgemtp.files import staged_folder
 from edgemtp.model.checkpoint import TensorSource, open_checkpoint
 from edgemtp.model.gemma4 import Rows
 from edgemtp.model.safetensors_file import TensorEntry, write_tensors
@@ -361,9 +360,7 @@ def quantize_checkpoint(
             if kind not in ("w4a16", "keep")
         ]
         config["quantization_config"] = compressed_tensors_config(settings, ignore)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         write_tensors(tmp, entries, produce, progress=say)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for extra in sorted(Path(model).iterdir()):
@@ -372,13 +369,6 @@ def quantize_checkpoint(
                 "model.safetensors.index.json",
             ):
                 shutil.copy2(extra, tmp / extra.name)
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     size = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
     return {
         "seconds": time.perf_counter() - t0,

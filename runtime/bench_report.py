@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from edgemtp.errors import EdgeMTPError
+from edgemtp.files import staged_folder
 from edgemtp.runtime.bench import SCHEMA, SCHEMA_FILE, summarize
 
 PHASES = ("target", "drafter", "embed", "sampling", "host")
@@ -285,27 +286,13 @@ def _finish(fig: Any, ax: Any, title: str, path: Path) -> str:
 def write_report(docs: Sequence[dict[str, Any]], out: Path, keep: Sequence[Path] = ()) -> Path:
     """OUT/bench.md with its plots, and each result as OUT/results/NAME.json (`keep`: files
     already there under those names); written to a temporary folder, then put in place."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
+    with staged_folder(Path(out)) as staging:
         (staging / "results").mkdir()
         for i, doc in enumerate(docs):
             name = keep[i].name if i < len(keep) else _result_name(doc)
             (staging / "results" / name).write_text(json.dumps(doc, indent=1) + "\n")
         plots = plot(docs, staging)
         (staging / "bench.md").write_text(markdown(docs, plots))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            staging.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

@@ -25,8 +25,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +36,7 @@ from torch import Tensor
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.static import StaticShapes, auto_context_buckets
+from edgemtp.files import staged_folder
 from edgemtp.runtime.backends import Meter, Runner, StaticBackend
 from edgemtp.runtime.sampling import argmax_rows
 from edgemtp.runtime.session import Session
@@ -561,19 +560,8 @@ def write_vectors(vectors: Mapping[str, Any], out: Path) -> Path:
     existing `out` is replaced only when it holds nothing but an earlier vectors.json."""
     out = Path(out)
     check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         (tmp / VECTORS).write_text(vectors_text(vectors))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; vectors are not
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out / VECTORS
 
 
