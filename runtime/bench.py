@@ -229,13 +229,11 @@ def _run(
     backend = session.backend
     oracle = plan.acceptance_oracle is not None and depth > 0
     if oracle:
-        if ar_tokens is None:  # a warm-up, or the AR run failed: nothing to replay
-            ar_tokens = []
         record["acceptance_oracle"] = plan.acceptance_oracle
         seed = f"{plan.seed} {test} {depth} {round_}"
-        session.backend = OracleDrafts(
-            backend, ar_tokens, len(prompt), plan.acceptance_oracle, seed
-        )  # type: ignore[arg-type]
+        # a warm-up (or a round whose AR run failed) has nothing to replay: every draft misses
+        replay = ar_tokens or []
+        session.backend = OracleDrafts(backend, replay, len(prompt), plan.acceptance_oracle, seed)  # type: ignore[arg-type]
     session.reset()
     try:
         result = session.generate(
