@@ -27,3 +27,21 @@ def tiny_q4_0_pair(tmp_path_factory) -> tuple[Path, Path]:
     for role in ("t", "a"):
         quantize_checkpoint(root / role, root / f"q{role}", Settings(scheme="q4_0"))
     return root / "qt", root / "qa"
+
+
+@pytest.fixture(scope="session")
+def tiny_coreml_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
+    """The tiny pair exported to Core ML (npu; about a minute of coremltools conversion here),
+    once for every test that reads a Core ML bundle's manifest: it cannot run on Linux."""
+    from edgemtp.cli import main
+
+    target, drafter = tiny_q4_0_pair
+    out = tmp_path_factory.mktemp("coreml") / "bundle"
+    assert main(
+        [
+            "export", "--model", str(target), "--drafter", str(drafter), "--backend", "coreml",
+            "--delegate", "npu", "--max-context", "96", "--draft-depth", "2",
+            "--prefill-chunk", "8", "--out", str(out),
+        ]
+    ) == 0  # fmt: skip
+    return out

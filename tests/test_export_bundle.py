@@ -348,22 +348,14 @@ def test_generate_on_a_manifest_that_leaves_the_bundle(onnx_bundle, tmp_path, ca
     ]
 
 
-def test_coreml_bundle_manifest_is_in_the_schema(quantized_pair, tmp_path):
+def test_coreml_bundle_manifest_is_in_the_schema(tiny_coreml_bundle):
     """Export checks every manifest before writing it (the ExecuTorch and ONNX tests export
     theirs); a Core ML bundle cannot run here, so its manifest is checked on its own."""
     import jsonschema
 
     from edgemtp.export.bundle import SCHEMA
 
-    target, drafter = quantized_pair
-    out = tmp_path / "bundle"
-    assert main(
-        [
-            "export", "--model", str(target), "--drafter", str(drafter), "--backend", "coreml",
-            "--delegate", "npu", "--max-context", "96", "--draft-depth", "2",
-            "--prefill-chunk", "8", "--out", str(out),
-        ]
-    ) == 0  # fmt: skip
+    out = tiny_coreml_bundle
     manifest = read_manifest(out)
     jsonschema.validate(manifest, json.loads(SCHEMA.read_text()))
     verify_files(out, manifest)

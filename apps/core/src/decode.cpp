@@ -16,6 +16,10 @@ bool contains(const std::vector<int>& values, int x) {
   return std::find(values.begin(), values.end(), x) != values.end();
 }
 
+bool contains_name(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
 }  // namespace
 
 // --- shapes ------------------------------------------------------------------------------------
@@ -84,13 +88,35 @@ bool RingTracker::truncated(int length) {
 
 // --- manifest ----------------------------------------------------------------------------------
 
+const std::vector<BackendDelegates>& supported_backends() {
+  static const std::vector<BackendDelegates> table{
+      {"executorch", {"cpu", "metal", "npu", "htp"}},
+      {"coreml", {"cpu", "metal", "npu"}},
+      {"onnx", {"cpu", "htp"}},
+  };
+  return table;
+}
+
 namespace {
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string out;
+  for (const std::string& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+std::string field(const std::string& path, const std::string& key) {
+  return path.empty() ? key : path + "." + key;
+}
 
 const json::Value& member(const json::Value& object, const std::string& key,
                           const std::string& path) {
-  if (!object.is_object()) throw Error("manifest: " + path + " is not an object");
+  if (!object.is_object()) {
+    throw Error("manifest: " + (path.empty() ? std::string("the manifest") : path) +
+                " is not an object");
+  }
   const json::Value* v = object.find(key);
-  if (v == nullptr) throw Error("manifest: missing " + (path.empty() ? key : path + "." + key));
+  if (v == nullptr) throw Error("manifest: missing " + field(path, key));
   return *v;
 }
 
@@ -99,7 +125,7 @@ int integer(const json::Value& object, const std::string& key, const std::string
   try {
     return v.as_int32();
   } catch (const json::TypeError& e) {
-    throw Error("manifest: " + (path.empty() ? key : path + "." + key) + ": " + e.what());
+    throw Error("manifest: " + field(path, key) + ": " + e.what());
   }
 }
 
@@ -110,16 +136,62 @@ std::vector<int> integers(const json::Value& object, const std::string& key,
   try {
     for (const json::Value& x : v.as_array()) out.push_back(x.as_int32());
   } catch (const json::TypeError& e) {
-    throw Error("manifest: " + path + "." + key + ": " + e.what());
+    throw Error("manifest: " + field(path, key) + ": " + e.what());
   }
   return out;
 }
 
+const std::string& text(const json::Value& object, const std::string& key,
+                        const std::string& path) {
+  const json::Value& v = member(object, key, path);
+  if (!v.is_string() || v.as_string().empty()) {
+    throw Error("manifest: " + field(path, key) + " must be a non-empty string");
+  }
+  return v.as_string();
+}
+
+bool boolean(const json::Value& object, const std::string& key, const std::string& path) {
+  const json::Value& v = member(object, key, path);
+  if (!v.is_bool()) throw Error("manifest: " + field(path, key) + " must be true or false");
+  return v.as_bool();
+}
+
+void check_schema_version(const json::Value& manifest, int version) {
+  if (version == kManifestSchemaVersion) return;
+  const json::Value* writer = manifest.find("edgemtp_version");
+  std::string by = writer != nullptr && writer->is_string() ? writer->as_string() : "?";
+  std::string theirs = "manifest: schema version " + std::to_string(version) +
+                       " (written by edgemtp " + by + ")";
+  std::string ours = "schema version " + std::to_string(kManifestSchemaVersion);
+  if (version > kManifestSchemaVersion) {
+    throw Error(theirs + " is newer than this app reads (" + ours +
+                "): update the app, or export the bundle with the edgemtp this app matches");
+  }
+  throw Error(theirs + " is older than this app reads (" + ours +
+              "): export the bundle again with a current edgemtp");
+}
+
+void check_backend(const std::string& backend, const std::string& delegate) {
+  const std::vector<BackendDelegates>& table = supported_backends();
+  auto found = std::find_if(table.begin(), table.end(),
+                            [&](const BackendDelegates& b) { return b.backend == backend; });
+  if (found == table.end()) {
+    std::vector<std::string> backends;
+    for (const BackendDelegates& b : table) backends.push_back(b.backend);
+    throw Error("manifest: unknown backend '" + backend + "' (this app runs " +
+                joined(backends) + ")");
+  }
+  if (!contains_name(found->delegates, delegate)) {
+    throw Error("manifest: backend " + backend + " has no delegate '" + delegate + "' (it has " +
+                joined(found->delegates) + ")");
+  }
+}
+
 }  // namespace
 
-BundleConfig BundleConfig::from_manifest(const json::Value& manifest) {
+BundleConfig BundleConfig::from_decode_fields(const json::Value& fields) {
   BundleConfig c;
-  const json::Value& shapes = member(manifest, "shapes", "");
+  const json::Value& shapes = member(fields, "shapes", "");
   c.shapes.max_context = integer(shapes, "max_context", "shapes");
   c.shapes.max_draft = integer(shapes, "max_draft", "shapes");
   c.shapes.chunk = integer(shapes, "chunk", "shapes");
@@ -128,31 +200,135 @@ BundleConfig BundleConfig::from_manifest(const json::Value& manifest) {
   c.shapes.context_buckets.erase(
       std::unique(c.shapes.context_buckets.begin(), c.shapes.context_buckets.end()),
       c.shapes.context_buckets.end());
-  c.shapes.validate();
-
-  const json::Value& kinds = member(member(manifest, "cache", ""), "kinds", "cache");
-  if (!kinds.is_object() || kinds.size() == 0) {
-    throw Error("manifest: cache.kinds must be an object with one entry per attention kind");
-  }
-  for (const auto& [name, kind] : kinds.as_object()) {  // std::map: sorted by name
-    std::string path = "cache.kinds." + name;
-    CacheKind k{name, integer(kind, "slots", path), integer(kind, "trash_slot", path)};
-    if (k.slots < 1 || k.slots > c.shapes.max_context) {
-      throw Error("manifest: " + path + ".slots must be in 1.." +
-                  std::to_string(c.shapes.max_context));
-    }
-    c.cache_kinds.push_back(k);
+  try {
+    c.shapes.validate();
+  } catch (const Error& e) {
+    throw Error(std::string("manifest: ") + e.what());
   }
 
-  const json::Value& model = member(manifest, "model", "");
+  const json::Value& model = member(fields, "model", "");
   c.sliding_window = integer(model, "sliding_window", "model");
   c.vocab_size = integer(model, "vocab_size", "model");
   c.eos_token_ids = integers(model, "eos_token_ids", "model");
   if (c.vocab_size < 1 || c.sliding_window < 1) {
     throw Error("manifest: model.vocab_size and model.sliding_window must be >= 1");
   }
-  c.has_drafter = !member(manifest, "drafter", "").is_null();
+  for (int id : c.eos_token_ids) {
+    if (id < 0 || id >= c.vocab_size) {
+      throw Error("manifest: model.eos_token_ids: " + std::to_string(id) +
+                  " is outside the vocabulary (0.." + std::to_string(c.vocab_size - 1) + ")");
+    }
+  }
+
+  const json::Value& kinds = member(member(fields, "cache", ""), "kinds", "cache");
+  if (!kinds.is_object() || kinds.size() == 0) {
+    throw Error("manifest: cache.kinds must be an object with one entry per attention kind");
+  }
+  // Every kind must hold what a query at the newest position reads plus a verify round's rows
+  // (runtime/kv_cache.py's ring_size): fewer slots and a verify overwrites live entries.
+  const int needed = std::min(c.shapes.max_context,
+                              c.sliding_window + c.shapes.max_draft + 1);
+  for (const auto& [name, kind] : kinds.as_object()) {  // std::map: sorted by name
+    std::string path = "cache.kinds." + name;
+    CacheKind k{name, integer(kind, "slots", path), integer(kind, "trash_slot", path)};
+    if (k.slots < needed || k.slots > c.shapes.max_context) {
+      throw Error("manifest: " + path + ".slots is " + std::to_string(k.slots) + ", must be in " +
+                  std::to_string(needed) + ".." + std::to_string(c.shapes.max_context) +
+                  " (window " + std::to_string(c.sliding_window) + " + max_draft " +
+                  std::to_string(c.shapes.max_draft) + " + 1, up to max_context)");
+    }
+    if (k.trash_slot < k.slots) {
+      throw Error("manifest: " + path + ".trash_slot " + std::to_string(k.trash_slot) +
+                  " is a slot positions map to (0.." + std::to_string(k.slots - 1) +
+                  "): pad rows would overwrite the cache");
+    }
+    c.cache_kinds.push_back(k);
+  }
+
+  const json::Value& drafter = member(fields, "drafter", "");
+  if (!drafter.is_null() && !drafter.is_object()) {
+    throw Error("manifest: drafter must be null (no drafter) or an object");
+  }
+  c.has_drafter = drafter.is_object();
   return c;
+}
+
+BundleConfig BundleConfig::from_manifest(const json::Value& manifest) {
+  if (!manifest.is_object()) throw Error("manifest: not a JSON object");
+  const int version = integer(manifest, "schema_version", "");
+  check_schema_version(manifest, version);
+  const std::string backend = text(manifest, "backend", "");
+  const std::string delegate = text(manifest, "delegate", "");
+  check_backend(backend, delegate);
+
+  BundleConfig c = from_decode_fields(manifest);
+  c.schema_version = version;
+  c.backend = backend;
+  c.delegate = delegate;
+  c.program = text(manifest, "program", "");
+
+  const json::Value& methods = member(manifest, "methods", "");
+  if (!methods.is_object() || methods.size() == 0) {
+    throw Error("manifest: methods must be an object naming the program's methods");
+  }
+  for (const auto& entry : methods.as_object()) c.methods.push_back(entry.first);  // sorted
+
+  // The cache kinds are the layers' attention kinds, each ring flagged as export flags it.
+  const json::Value& layers = member(member(manifest, "model", ""), "layers", "model");
+  if (!layers.is_array() || layers.size() == 0) {
+    throw Error("manifest: model.layers must be a non-empty array");
+  }
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    std::string kind = text(layers[i], "attention", "model.layers[" + std::to_string(i) + "]");
+    auto found = std::find_if(c.cache_kinds.begin(), c.cache_kinds.end(),
+                              [&](const CacheKind& k) { return k.name == kind; });
+    if (found == c.cache_kinds.end()) {
+      throw Error("manifest: model.layers[" + std::to_string(i) + "] has " + kind +
+                  " attention but cache.kinds has no '" + kind + "' cache");
+    }
+  }
+  const json::Value& kinds = manifest["cache"]["kinds"];
+  for (const CacheKind& k : c.cache_kinds) {
+    bool ring = boolean(kinds[k.name], "ring", "cache.kinds." + k.name);
+    if (ring != (k.slots < c.shapes.max_context)) {
+      throw Error("manifest: cache.kinds." + k.name + ".ring is " + (ring ? "true" : "false") +
+                  " for " + std::to_string(k.slots) + " slots of a " +
+                  std::to_string(c.shapes.max_context) + "-position context");
+    }
+  }
+
+  for (const std::string& name : c.required_methods()) {
+    if (!std::binary_search(c.methods.begin(), c.methods.end(), name)) {
+      throw Error("manifest: the program has no method '" + name +
+                  "', which the shapes and drafter call for (it has " + joined(c.methods) + ")");
+    }
+  }
+  if (!c.has_drafter && std::binary_search(c.methods.begin(), c.methods.end(), "draft_step")) {
+    throw Error("manifest: drafter is null but the program has a draft_step method");
+  }
+  return c;
+}
+
+BundleConfig BundleConfig::from_manifest_text(std::string_view text) {
+  json::Value manifest;
+  try {
+    manifest = json::Value::parse(text);
+  } catch (const json::ParseError& e) {
+    throw Error(std::string("manifest: not valid JSON: ") + e.what());
+  }
+  return from_manifest(manifest);
+}
+
+std::vector<std::string> BundleConfig::required_methods() const {
+  std::vector<std::optional<int>> buckets{std::nullopt};
+  buckets.insert(buckets.end(), shapes.context_buckets.begin(), shapes.context_buckets.end());
+  std::vector<std::string> out{"prefill_final", "prefill_intermediate"};
+  for (std::optional<int> b : buckets) {
+    for (int k : shapes.verify_depths()) out.push_back(bucketed("verify_" + std::to_string(k), b));
+    if (has_drafter) out.push_back(bucketed("draft_step", b));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 // --- rows --------------------------------------------------------------------------------------

@@ -329,7 +329,7 @@ int main(int argc, char** argv) {
       throw std::runtime_error("not " + std::string(kFormatName) + " version " +
                                std::to_string(kFormatVersion) + " vectors");
     }
-    config = edgemtp::BundleConfig::from_manifest(vectors["manifest"]);
+    config = edgemtp::BundleConfig::from_decode_fields(vectors["manifest"]);
   } catch (const std::exception& e) {
     std::cerr << "conformance: " << argv[1] << ": " << e.what() << "\n";
     return 2;

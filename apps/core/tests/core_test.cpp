@@ -136,7 +136,7 @@ void test_rings() {
 
 // --- manifest ----------------------------------------------------------------------------------
 
-const char* kManifest = R"({
+const char* kDecodeFields = R"({
   "shapes": {"max_context": 64, "max_draft": 3, "chunk": 8, "context_buckets": []},
   "cache": {"kinds": {"sliding": {"slots": 20, "trash_slot": 20, "ring": true},
                       "full": {"slots": 64, "trash_slot": 64, "ring": false}}},
@@ -144,24 +144,96 @@ const char* kManifest = R"({
   "drafter": {"num_layers": 2}
 })";
 
+// The fields of a whole manifest.json the core reads beyond the decode fields (export writes
+// more: tables, tokenizer, files...; the core ignores them). One context bucket, 32.
+const char* kManifest = R"({
+  "schema_version": 1, "edgemtp_version": "0.1.0", "backend": "executorch", "delegate": "cpu",
+  "program": "model.pte",
+  "shapes": {"max_context": 64, "max_draft": 3, "chunk": 8, "context_buckets": [32]},
+  "cache": {"kinds": {"sliding": {"slots": 20, "trash_slot": 20, "ring": true},
+                      "full": {"slots": 64, "trash_slot": 64, "ring": false}}},
+  "model": {"sliding_window": 16, "vocab_size": 97, "eos_token_ids": [1],
+            "layers": [{"attention": "sliding"}, {"attention": "full"}]},
+  "drafter": {"num_layers": 2},
+  "methods": {"prefill_intermediate": {}, "prefill_final": {}, "verify_0": {}, "verify_3": {},
+              "verify_0_ctx32": {}, "verify_3_ctx32": {}, "draft_step": {},
+              "draft_step_ctx32": {}}
+})";
+
+// kManifest with `from` (which must occur once) replaced by `to`.
+std::string edited(const std::string& from, const std::string& to) {
+  std::string out = kManifest;
+  std::size_t at = out.find(from);
+  check(at != std::string::npos && out.find(from, at + 1) == std::string::npos,
+        "'" + from + "' occurs once in kManifest", __LINE__);
+  if (at != std::string::npos) out.replace(at, from.size(), to);
+  return out;
+}
+
+bool refused(const std::string& text, const std::string& needle) {
+  return throws<edgemtp::Error>([&] { edgemtp::BundleConfig::from_manifest_text(text); }, needle);
+}
+
 void test_manifest() {
-  edgemtp::BundleConfig c = edgemtp::BundleConfig::from_manifest(Value::parse(kManifest));
+  edgemtp::BundleConfig c = edgemtp::BundleConfig::from_decode_fields(Value::parse(kDecodeFields));
   CHECK_EQ(c.shapes.chunk, 8);
   CHECK_EQ(c.cache_kinds.size(), 2u);
   CHECK_EQ(c.cache_kinds[0].name, std::string("full"));  // sorted by name
   CHECK_EQ(c.cache_kinds[1].slots, 20);
   CHECK(c.has_drafter);
   CHECK(c.eos_token_ids == std::vector<int>({1}));
-  std::string no_chunk = kManifest;
+  CHECK(c.backend.empty() && c.methods.empty());
+  std::string no_chunk = kDecodeFields;
   no_chunk.replace(no_chunk.find("\"chunk\": 8, "), 12, "");
   CHECK(throws<edgemtp::Error>(
-      [&] { edgemtp::BundleConfig::from_manifest(Value::parse(no_chunk)); },
+      [&] { edgemtp::BundleConfig::from_decode_fields(Value::parse(no_chunk)); },
       "missing shapes.chunk"));
-  std::string bad_vocab = kManifest;
+  std::string bad_vocab = kDecodeFields;
   bad_vocab.replace(bad_vocab.find("97"), 2, "\"x\"");
   CHECK(throws<edgemtp::Error>(
-      [&] { edgemtp::BundleConfig::from_manifest(Value::parse(bad_vocab)); },
+      [&] { edgemtp::BundleConfig::from_decode_fields(Value::parse(bad_vocab)); },
       "model.vocab_size"));
+  // The subset is not a manifest.json: no schema version.
+  CHECK(throws<edgemtp::Error>(
+      [&] { edgemtp::BundleConfig::from_manifest(Value::parse(kDecodeFields)); },
+      "manifest: missing schema_version"));
+
+  edgemtp::BundleConfig m = edgemtp::BundleConfig::from_manifest_text(kManifest);
+  CHECK_EQ(m.schema_version, edgemtp::kManifestSchemaVersion);
+  CHECK_EQ(m.backend, std::string("executorch"));
+  CHECK_EQ(m.delegate, std::string("cpu"));
+  CHECK_EQ(m.program, std::string("model.pte"));
+  CHECK(m.shapes.context_buckets == std::vector<int>({32}));
+  CHECK(m.methods == m.required_methods());
+  CHECK_EQ(m.methods.size(), 8u);
+  CHECK_EQ(m.methods.front(), std::string("draft_step"));
+
+  CHECK(refused(edited("\"schema_version\": 1", "\"schema_version\": 2"),
+                "schema version 2 (written by edgemtp 0.1.0) is newer than this app reads "
+                "(schema version 1)"));
+  CHECK(refused(edited("\"schema_version\": 1", "\"schema_version\": 0"), "is older"));
+  CHECK(refused(edited("\"schema_version\": 1, ", ""), "manifest: missing schema_version"));
+  CHECK(refused(edited("\"executorch\"", "\"tflite\""),
+                "unknown backend 'tflite' (this app runs executorch, coreml, onnx)"));
+  CHECK(refused(edited("\"delegate\": \"cpu\"", "\"delegate\": \"gpu\""),
+                "backend executorch has no delegate 'gpu'"));
+  CHECK(refused(edited("\"program\": \"model.pte\",", ""), "manifest: missing program"));
+  CHECK(refused(edited("\"shapes\"", "\"sizes\""), "manifest: missing shapes"));
+  CHECK(refused(edited("\"verify_3_ctx32\": {}, ", ""), "no method 'verify_3_ctx32'"));
+  CHECK(refused(edited("\"draft_step\": {},", ""), "no method 'draft_step'"));
+  CHECK(refused(edited("\"drafter\": {\"num_layers\": 2}", "\"drafter\": null"),
+                "drafter is null but the program has a draft_step method"));
+  CHECK(refused(edited("{\"attention\": \"full\"}", "{\"attention\": \"local\"}"),
+                "model.layers[1] has local attention but cache.kinds has no 'local' cache"));
+  CHECK(refused(edited("\"slots\": 20, \"trash_slot\": 20", "\"slots\": 19, \"trash_slot\": 19"),
+                "cache.kinds.sliding.slots is 19, must be in 20..64"));
+  CHECK(refused(edited("\"trash_slot\": 20", "\"trash_slot\": 3"), "pad rows would overwrite"));
+  CHECK(refused(edited("\"ring\": true", "\"ring\": false"), "cache.kinds.sliding.ring is false"));
+  CHECK(refused(edited("\"eos_token_ids\": [1]", "\"eos_token_ids\": [97]"),
+                "97 is outside the vocabulary"));
+  CHECK(refused(edited("\"context_buckets\": [32]", "\"context_buckets\": [64]"),
+                "manifest: shapes: context bucket 64 must be ascending"));
+  CHECK(refused(std::string(kManifest) + ",", "manifest: not valid JSON: line"));
 }
 
 // --- the decode loop ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "edgemtp/json.h"
@@ -83,6 +84,19 @@ class RingTracker {
   int written_end_ = 0;  // one past the highest position written since the last reset
 };
 
+// The manifest schema version this core reads: export/bundle.py's SCHEMA_VERSION, the
+// "schema_version" const of export/manifest.schema.json. A newer manifest may mean something
+// this core would misread, so it is refused rather than guessed at.
+constexpr int kManifestSchemaVersion = 1;
+
+// The backends a bundle is exported for and the delegates of each (export/bundle.py's
+// SUPPORTED), in the schema's order.
+struct BackendDelegates {
+  std::string backend;
+  std::vector<std::string> delegates;
+};
+const std::vector<BackendDelegates>& supported_backends();
+
 // What the engine reads from a bundle's manifest.json.
 struct BundleConfig {
   Shapes shapes;
@@ -92,9 +106,30 @@ struct BundleConfig {
   bool has_drafter = false;
   std::vector<int> eos_token_ids;
 
-  // From a parsed manifest.json (or the "manifest" object of conformance vectors, which keeps
-  // the same paths). Throws Error naming the first missing or malformed field.
+  // Read from a whole manifest.json only (from_decode_fields leaves them empty):
+  int schema_version = 0;
+  std::string backend;               // "executorch", "onnx" or "coreml": what runs `program`
+  std::string delegate;              // "cpu", "metal", "npu" or "htp"
+  std::string program;               // the program inside the bundle: model.pte, onnx, ...
+  std::vector<std::string> methods;  // the program's methods, sorted
+
+  // A bundle's manifest.json as `edgemtp export` writes it: refuses, with one Error line, a
+  // schema version other than kManifestSchemaVersion (naming both), an unknown backend or a
+  // delegate the backend lacks, missing or malformed decode fields, cache kinds that disagree
+  // with the layers, the shapes or the window, and a program without a method the engine
+  // would call (required_methods).
   static BundleConfig from_manifest(const json::Value& manifest);
+  // As from_manifest, from the file's text (a JSON syntax error is an Error too).
+  static BundleConfig from_manifest_text(std::string_view text);
+  // Only the decode fields, at their manifest paths (shapes, cache.kinds.<kind>.slots and
+  // .trash_slot, model.sliding_window, .vocab_size, .eos_token_ids, drafter): the "manifest"
+  // object of conformance vectors. Throws Error naming the first missing or malformed field.
+  static BundleConfig from_decode_fields(const json::Value& fields);
+
+  // Every method the decoder may call for these shapes, sorted: prefill_intermediate,
+  // prefill_final, verify_<depth> per verify depth and draft_step (with a drafter), each
+  // also per context bucket (verify_3_ctx512, draft_step_ctx512).
+  std::vector<std::string> required_methods() const;
 };
 
 // One call of a row method (a prefill chunk or a verify round): `rows` real rows at positions
