@@ -7,7 +7,11 @@ What is measured (each a median of several runs, with the threads the runtime wo
 - peak matmul throughput per dtype: the runtime's GEMMs — XNNPACK 8da4w (int8 x int4) and fp32
   linears on 256 rows; fp16 through torch (ExecuTorch's CPU programs have none);
 - dispatch cost per operator: ExecuTorch programs of one and of 201 chained XNNPACK linears of
-  64 x 64 on one row, run in this process: (t201 - t1) / 200;
+  64 x 64 on one row, run in this process: (t201 - t1) / 200; and a program call's own cost;
+- the same linear on four rows (a verify's), where kernels may take another path;
+- ONNX Runtime apart (`[delegates.cpu.backends.onnx]`): its MatMulNBits as ONNX cpu bundles
+  export it (int8 activations) on one, four and 256 rows, its cost per node and per call;
+- edgemtp's own host time per program call and per logit (decoding beside a stand-in program);
 - power: RAPL, where readable, while idle and while the fp32 GEMM runs; elsewhere the profile
   says it is an estimate and why.
 """
@@ -148,17 +152,20 @@ def _ort_session(graph: Any, threads: int) -> Any:
 
 def _nbits_linear(k: int, n: int, rows: int, threads: int) -> tuple[Any, float]:
     """(session, weight bytes) of one MatMulNBits [rows, k] x [k, n], 4-bit, blocks of 32, fp32
-    scales, accuracy level 0: the node an ONNX bundle's 4-bit linears become."""
+    scales, int8 activations (accuracy level 4): the node an ONNX cpu bundle's 4-bit linears
+    become with export's default `--activations int8`."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper
+
+    from edgemtp.export.onnx import INT8_ACCURACY_LEVEL
 
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
     scales = (rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float32)
     graph = helper.make_graph(
         [helper.make_node("MatMulNBits", ["x", "B", "scales"], ["y"], domain="com.microsoft",
-                          K=k, N=n, bits=4, block_size=32, accuracy_level=0)],
+                          K=k, N=n, bits=4, block_size=32, accuracy_level=INT8_ACCURACY_LEVEL)],
         "nbits",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
@@ -207,7 +214,7 @@ def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
     return {
         "memory_bandwidth_gbs": bandwidth[1],
         "verify_bandwidth_gbs": bandwidth[VERIFY_PROBE_ROWS],
-        "fp32_tops": tops,
+        "int8_tops": tops,
         "dispatch_us": max(per_node * 1e6, 0.01),
         "call_us": max((per_call[1] - per_node) * 1e6, 0.0),
     }
@@ -456,8 +463,8 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         + _entry(ort["call_us"], src, "ONNX Runtime session.run of one node, less the node"),
         "",
         "[delegates.cpu.backends.onnx.peak_tops]",
-        "fp32 = "
-        + _entry(ort["fp32_tops"], src, "MatMulNBits (accuracy level 0: fp32 compute, as ONNX "
-                 "bundles run) 1024 x 1024 on 256 rows, median of 3"),
+        "int8 = "
+        + _entry(ort["int8_tops"], src, "MatMulNBits with int8 activations (accuracy level 4, "
+                 "as ONNX cpu bundles export by default) 1024 x 1024 on 256 rows, median of 3"),
     ]  # fmt: skip
     return "\n".join(lines) + "\n"

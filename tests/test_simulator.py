@@ -253,7 +253,7 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     assert set(cpu.backends["onnx"]) == {
         "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "peak_tops"
     }  # fmt: skip
-    assert onnx.peak_tops.keys() == {"fp32"} and onnx.memory_bandwidth_gbs > 0
+    assert onnx.peak_tops.keys() == {"int8"} and onnx.memory_bandwidth_gbs > 0
     measured = [k for k, (src, _) in host.sources.items() if src.startswith("measured")]
     assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us",
             "delegates.cpu.host_call_us"} <= set(measured)  # fmt: skip
