@@ -45,3 +45,26 @@ def tiny_coreml_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
         ]
     ) == 0  # fmt: skip
     return out
+
+
+@pytest.fixture(scope="session")
+def core_build(tmp_path_factory) -> Path:
+    """The apps' C++ decode core (`apps/core`) and its test programs, configured and built once,
+    outside the repository."""
+    import shutil
+    import subprocess
+
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed: the C++ decode core cannot be built here")
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler (c++, g++ or clang++) on PATH")
+    build = tmp_path_factory.mktemp("core-build")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    source = Path(__file__).resolve().parents[1] / "apps" / "core"
+    for command in (
+        ["cmake", "-S", str(source), "-B", str(build), *generator],
+        ["cmake", "--build", str(build)],
+    ):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+    return build

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -61,24 +60,6 @@ def written(bundle, tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def vectors(written) -> dict:
     return read_vectors(written[0])
-
-
-@pytest.fixture(scope="module")
-def core_build(tmp_path_factory) -> Path:
-    """The C++ core and its tests, configured and built outside the repository."""
-    if shutil.which("cmake") is None:
-        pytest.skip("cmake is not installed: the C++ decode core cannot be built here")
-    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
-        pytest.skip("no C++ compiler (c++, g++ or clang++) on PATH")
-    build = tmp_path_factory.mktemp("core-build")
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    for command in (
-        ["cmake", "-S", str(CORE), "-B", str(build), *generator],
-        ["cmake", "--build", str(build)],
-    ):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
-    return build
 
 
 def _corrupted(vectors: dict) -> tuple[dict, str]:
