@@ -98,29 +98,13 @@ begin "manifest_test: the core accepts the bundle's manifest and reads what it h
 import json
 import sys
 
-from edgemtp.export.static import StaticShapes
+from edgemtp.runtime.conformance import manifest_mismatches
 
 manifest, core = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
-shapes = StaticShapes(**manifest["shapes"])
-expected = {
-    "backend": manifest["backend"],
-    "delegate": manifest["delegate"],
-    "program": manifest["program"],
-    "max_context": shapes.max_context,
-    "max_draft": shapes.max_draft,
-    "chunk": shapes.chunk,
-    "vocab_size": manifest["model"]["vocab_size"],
-    "sliding_window": manifest["model"]["sliding_window"],
-    "eos_token_ids": manifest["model"]["eos_token_ids"],
-    "has_drafter": manifest["drafter"] is not None,
-    "methods": sorted(manifest["methods"]),
-}
-wrong = {k: (core.get(k), v) for k, v in expected.items() if core.get(k) != v}
-assert not wrong, f"the core read (core, manifest): {wrong}"
-assert core["methods"] == core["required_methods"], "methods the decoder needs are missing"
-for r in core["rounds"]:
-    method, pad = shapes.verify_method(r["depth"], r["end"])
-    assert (r["verify"], r["pad"]) == (method, pad), f"round {r}: Python chooses {method}, {pad}"
+problems = manifest_mismatches(core, manifest)
+assert not problems, "the core read differently from the manifest and StaticShapes: " + "; ".join(
+    problems
+)
 kinds = ", ".join(f"{k} {v['slots']} slots" for k, v in core["cache_kinds"].items())
 print(
     f"{core['backend']}/{core['delegate']}: context {core['max_context']}, depth "

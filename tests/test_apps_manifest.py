@@ -28,7 +28,7 @@ from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.bundle import SCHEMA, SCHEMA_VERSION, SUPPORTED, check_manifest
 from edgemtp.export.static import StaticShapes, bucketed
-from edgemtp.runtime.kv_cache import ring_size
+from edgemtp.runtime.conformance import manifest_mismatches
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "apps" / "core"
@@ -135,93 +135,6 @@ def refusal(build: Path, manifest: Path) -> str:
     return line.removeprefix(prefix)
 
 
-def python_methods(shapes: StaticShapes, has_drafter: bool) -> list[str]:
-    """The methods an export for `shapes` holds (`StaticBundle.methods`, named without a
-    model), which are those the Python runtime's StaticBackend may call."""
-    names = ["prefill_intermediate", "prefill_final"]
-    for bucket in (None, *shapes.context_buckets):
-        names += [bucketed(f"verify_{k}", bucket) for k in shapes.verify_depths()]
-        names += [bucketed("draft_step", bucket)] if has_drafter else []
-    return sorted(names)
-
-
-def python_round(shapes: StaticShapes, has_drafter: bool, depth: int, end: int) -> dict[str, Any]:
-    """What the Python side does for a round of `depth` drafts ending at `end`, in the form
-    manifest_test prints; "error" when it cannot run such a round."""
-    if not depth + 1 <= end <= shapes.max_context:  # StaticBackend: "context full"
-        return {"depth": depth, "end": end, "error": True}
-    try:
-        method, pad = shapes.verify_method(depth, end)
-    except ValueError:  # deeper than every verify method
-        return {"depth": depth, "end": end, "error": True}
-    draft = shapes.draft_method(end - depth - 1) if depth and has_drafter else None
-    return {"depth": depth, "end": end, "verify": method, "pad": pad, "draft": draft}
-
-
-def boundary_rounds(shapes: StaticShapes, has_drafter: bool) -> list[str]:
-    """The rounds manifest_test reports by default, as "DEPTH:END": every depth the decoder can
-    choose, at each end where the method choice may change (the first end, each context bucket
-    and the end past it, the context end)."""
-    rounds = []
-    for depth in range(shapes.max_draft + 1 if has_drafter else 1):
-        ends = {depth + 1, shapes.max_context}
-        ends |= {e for b in shapes.context_buckets for e in (b, b + 1)}
-        rounds += [f"{depth}:{e}" for e in sorted(ends) if depth + 1 <= e <= shapes.max_context]
-    return rounds
-
-
-def mismatches(
-    core: dict[str, Any], manifest: Manifest, queries: list[str] | None = None
-) -> list[str]:
-    """Every field where the core's understanding differs from `manifest` or from what the
-    Python side derives from it (the rounds: `queries`, else the boundary rounds); empty when
-    they agree."""
-    shapes = StaticShapes(**manifest["shapes"])
-    model, drafter = manifest["model"], manifest["drafter"]
-    ring = min(shapes.max_context, ring_size(model["sliding_window"], shapes.max_draft))
-    kinds = manifest["cache"]["kinds"]
-    expected = {
-        "schema_version": manifest["schema_version"],
-        "backend": manifest["backend"],
-        "delegate": manifest["delegate"],
-        "program": manifest["program"],
-        "max_context": shapes.max_context,
-        "max_draft": shapes.max_draft,
-        "chunk": shapes.chunk,
-        "context_buckets": list(shapes.context_buckets),
-        "vocab_size": model["vocab_size"],
-        "sliding_window": model["sliding_window"],
-        "eos_token_ids": model["eos_token_ids"],
-        "cache_kinds": {
-            name: {"slots": k["slots"], "trash_slot": k["trash_slot"]} for name, k in kinds.items()
-        },
-        "has_drafter": drafter is not None,
-        "methods": sorted(manifest["methods"]),
-        "required_methods": python_methods(shapes, drafter is not None),
-    }
-    problems = [
-        f"{key}: core {core.get(key)!r}, manifest/Python {value!r}"
-        for key, value in expected.items()
-        if core.get(key) != value
-    ]
-    # The ring sizes the Python runtime's StaticBackend assumes (RingTracker).
-    runtime_slots = {name: shapes.max_context if name == "full" else ring for name in kinds}
-    core_slots = {name: k["slots"] for name, k in core.get("cache_kinds", {}).items()}
-    if core_slots != runtime_slots:
-        problems.append(f"cache slots: core {core_slots}, runtime {runtime_slots}")
-    rounds = core.get("rounds", [])
-    asked = [f"{r['depth']}:{r['end']}" for r in rounds]
-    wanted = queries if queries is not None else boundary_rounds(shapes, drafter is not None)
-    if asked != wanted:
-        problems.append(f"rounds: core {asked}, Python {wanted}")
-    for row in rounds:
-        want = python_round(shapes, drafter is not None, row["depth"], row["end"])
-        got = {**row, "error": True} if "error" in row else row
-        if got != want:
-            problems.append(f"round {row['depth']}:{row['end']}: core {row}, Python {want}")
-    return problems
-
-
 def edited(manifest: Path, tmp_path: Path, change: Callable[[Manifest], object]) -> Path:
     """A copy of `manifest` changed in place by `change`."""
     data = json.loads(manifest.read_text())
@@ -253,7 +166,7 @@ def test_bucketed_copy_exercises_every_bucket(core, executorch_bucketed_manifest
     manifest = json.loads(executorch_bucketed_manifest.read_text())
     validator.validate(manifest)
     seen = understood(core, executorch_bucketed_manifest)
-    assert mismatches(seen, manifest) == []
+    assert manifest_mismatches(seen, manifest) == []
     verify = {(r["depth"], r["end"]): r["verify"] for r in seen["rounds"]}
     assert verify[(2, 32)] == "verify_2_ctx32" and verify[(2, 33)] == "verify_2_ctx64"
     assert verify[(1, 64)] == "verify_2_ctx64" and verify[(1, 65)] == "verify_2"
@@ -266,7 +179,7 @@ def test_explicit_rounds_match_static_shapes(core, executorch_bucketed_manifest)
     manifest = json.loads(executorch_bucketed_manifest.read_text())
     queries = ["0:1", "1:31", "2:34", "2:64", "2:65", "2:96", "3:40", "2:97", "1:1"]
     seen = understood(core, executorch_bucketed_manifest, *queries)
-    assert mismatches(seen, manifest, queries) == []
+    assert manifest_mismatches(seen, manifest, queries) == []
     errors = [r["error"] for r in seen["rounds"] if "error" in r]
     assert errors == [
         "a round of 3 drafts: this bundle verifies at most 2",
@@ -289,7 +202,7 @@ def test_comparison_fails_on_a_manifest_with_another_draft_depth(core, onnx_mani
             m[table]["verify_1"] = m[table].pop("verify_2")
 
     seen = understood(core, edited(onnx_manifest, tmp_path, shallower))
-    problems = mismatches(seen, original)
+    problems = manifest_mismatches(seen, original)
     assert any(p.startswith("max_draft: core 1, manifest/Python 2") for p in problems), problems
     assert any(p.startswith("methods: ") for p in problems)
     assert any(p.startswith("rounds: ") for p in problems)  # no depth-2 rounds
@@ -428,7 +341,7 @@ def test_core_understands_the_manifest_export_writes(name, core, validator, requ
     manifest = json.loads(path.read_text())
     validator.validate(manifest)  # the schema the apps parse against
     seen = understood(core, path)
-    assert mismatches(seen, manifest) == []
+    assert manifest_mismatches(seen, manifest) == []
     assert (seen["backend"], seen["delegate"], seen["program"]) == (backend, delegate, program)
     assert seen["has_drafter"] and seen["max_draft"] == 2
     # An export holds exactly the methods the decoder calls: none missing, none extra.
