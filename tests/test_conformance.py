@@ -204,7 +204,8 @@ def test_cpp_core_passes_its_unit_tests_and_the_vectors(core_build, written):
         timeout=120,
     )
     assert ctest.returncode == 0, ctest.stdout + ctest.stderr
-    assert "100% tests passed, 0 tests failed out of 2" in ctest.stdout
+    assert re.search(r"Test +#\d+: conformance \.+ +Passed", ctest.stdout), ctest.stdout
+    assert "100% tests passed" in ctest.stdout
     direct = _core(core_build, written[0])
     assert direct.returncode == 0, direct.stderr
     assert "17 cases" in direct.stdout and "every decision matches" in direct.stdout

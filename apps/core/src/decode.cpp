@@ -1,6 +1,7 @@
 #include "edgemtp/decode.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <utility>
 
@@ -369,6 +370,20 @@ RowCall Decoder::row_call(std::string method, const std::vector<int>& ids, int s
   return call;
 }
 
+double Decoder::now() const {
+  if (clock_) return clock_();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void Decoder::check_row(const LogitsRow& row, const std::string& what) const {
+  if (row.data == nullptr || row.size != config_.vocab_size) {
+    std::string got = row.data == nullptr ? "no" : std::to_string(row.size);
+    throw Error(what + " returned " + got + " logits for a vocabulary of " +
+                std::to_string(config_.vocab_size));
+  }
+}
+
 void Decoder::prefill(const std::vector<int>& ids, int start, Generation& out) {
   const int chunk = config_.shapes.chunk;
   const int n = static_cast<int>(ids.size());
@@ -384,37 +399,75 @@ void Decoder::prefill(const std::vector<int>& ids, int start, Generation& out) {
   std::vector<int> rows(ids.begin() + last_start, ids.end());
   int pad = chunk - static_cast<int>(rows.size());
   out.prefill_calls.push_back(row_call("prefill_final", rows, start + last_start, pad));
-  out.first_token = model_.prefill_final(out.prefill_calls.back());
+  LogitsRow logits = model_.prefill_final(out.prefill_calls.back());
+  check_row(logits, "prefill_final");
+  out.first_token = sampling_.greedy()
+                        ? argmax(logits.data, logits.size)
+                        : sample(probabilities(logits.data, logits.size, sampling_), rng_);
   rings_.wrote(start + n);
+}
+
+// The drafted token of one step; when sampling, also appends the distribution it was drawn
+// from over the whole vocabulary (a clustered head's is zero outside its candidates), which
+// speculative acceptance needs.
+int Decoder::draft_token(const DraftLogits& step, std::vector<std::vector<float>>& draft_probs) {
+  const LogitsRow& logits = step.logits;
+  if (logits.data == nullptr || logits.size < 1 ||
+      (step.token_ids == nullptr && logits.size != config_.vocab_size)) {
+    throw Error("the drafter returned " + std::to_string(logits.size) + " logits for " +
+                (step.token_ids ? "its candidates" : "a vocabulary of " +
+                 std::to_string(config_.vocab_size)));
+  }
+  const auto token_of = [&](int i) -> int {
+    int64_t id = step.token_ids ? step.token_ids[i] : i;
+    if (id < 0 || id >= config_.vocab_size) {
+      throw Error("the drafter returned token " + std::to_string(id) +
+                  ", outside the vocabulary");
+    }
+    return static_cast<int>(id);
+  };
+  if (sampling_.greedy()) return token_of(argmax(logits.data, logits.size));
+  std::vector<float> local = probabilities(logits.data, logits.size, sampling_);
+  std::vector<float> q(static_cast<std::size_t>(config_.vocab_size), 0.0f);
+  for (int i = 0; i < logits.size; ++i) q[static_cast<std::size_t>(token_of(i))] += local[i];
+  // Drawing from the candidates and mapping the draw is drawing from q, over 32-odd entries
+  // instead of the vocabulary.
+  int token = token_of(sample(local, rng_));
+  draft_probs.push_back(std::move(q));
+  return token;
 }
 
 Round Decoder::decode_round(int token, int position, int depth) {
   const Shapes& shapes = config_.shapes;
+  const double started = now();
   Round r;
   r.position = position;
   r.input_token = token;
   r.depth = depth;
   std::vector<int> fed{token};
+  std::vector<std::vector<float>> draft_probs;
   for (int i = 0; i < depth; ++i) {
     // Every step of a round sits at the same position: the drafter attends to the cache
     // before it, never to its own drafts.
     r.draft_calls.push_back({shapes.draft_method(position), position});
-    int drafted = model_.draft_step(r.draft_calls.back().method, fed.back(), position);
-    if (drafted < 0 || drafted >= config_.vocab_size) {
-      throw Error("the drafter returned token " + std::to_string(drafted) +
-                  ", outside the vocabulary");
-    }
+    int drafted = draft_token(model_.draft_step(r.draft_calls.back().method, fed.back(), position),
+                              draft_probs);
     r.drafted.push_back(drafted);
     fed.push_back(drafted);
   }
+  const double drafted_at = now();
   const int end = position + depth + 1;
   check_fits(end);
   MethodChoice choice = shapes.verify_method(depth, end);
   r.verify = row_call(choice.method, fed, position, choice.pad);
-  r.target_argmax = model_.verify(r.verify);
-  if (static_cast<int>(r.target_argmax.size()) != depth + 1) {
-    throw Error(r.verify.method + " returned " + std::to_string(r.target_argmax.size()) +
-                " rows for " + std::to_string(depth + 1) + " real rows");
+  std::vector<LogitsRow> rows = model_.verify(r.verify);
+  if (static_cast<int>(rows.size()) != depth + 1) {
+    throw Error(r.verify.method + " returned " + std::to_string(rows.size()) + " rows for " +
+                std::to_string(depth + 1) + " real rows");
+  }
+  for (const LogitsRow& row : rows) {
+    check_row(row, r.verify.method);
+    r.target_argmax.push_back(argmax(row.data, row.size));
   }
   rings_.wrote(end);
   for (const CacheKind& kind : config_.cache_kinds) {
@@ -427,16 +480,29 @@ Round Decoder::decode_round(int token, int position, int depth) {
   }
   // Greedy acceptance: the longest prefix of drafts equal to the target's own choice after
   // the tokens before them, then the target's token at the first disagreement (or after the
-  // last draft): greedy MTP commits exactly what greedy AR would.
-  int n = 0;
-  while (n < depth && r.drafted[n] == r.target_argmax[n]) ++n;
+  // last draft): greedy MTP commits exactly what greedy AR would. Sampling: speculative
+  // acceptance, which commits tokens distributed exactly as the target's.
+  Acceptance accept;
+  if (sampling_.greedy()) {
+    accept = greedy_accept(r.target_argmax, r.drafted);
+  } else {
+    std::vector<std::vector<float>> target_probs;
+    for (const LogitsRow& row : rows) {
+      target_probs.push_back(probabilities(row.data, row.size, sampling_));
+    }
+    accept = speculative_accept(target_probs, draft_probs, r.drafted, rng_);
+  }
+  const int n = accept.accepted;
   r.accepted = n;
   r.committed.assign(r.drafted.begin(), r.drafted.begin() + n);
-  r.committed.push_back(r.target_argmax[n]);
+  r.committed.push_back(accept.next);
   // The rejected drafts' K/V stay in the cache until the next write at their positions
   // forgets them; the rings are sized so that no live entry was overwritten.
   r.truncates.push_back({position + n + 1, truncate(position + n + 1)});
   model_.draft_from_verify_row(n);
+  const double finished = now();
+  r.draft_seconds = drafted_at - started;
+  r.verify_seconds = finished - drafted_at;
   return r;
 }
 
@@ -460,6 +526,10 @@ Generation Decoder::generate(const std::vector<int>& prompt, DepthPolicy& policy
                 "-token prompt: one must be new");
   }
   if (options.max_new_tokens < 1) throw Error("max_new_tokens must be >= 1");
+  options.sampling.validate();
+  sampling_ = options.sampling;
+  rng_ = Rng(options.sampling.seed);
+  clock_ = options.clock;
   const auto is_stop = [&](int t) { return contains(options.stop_ids, t); };
 
   Generation out;

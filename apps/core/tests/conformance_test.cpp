@@ -4,10 +4,12 @@
 //
 // Every case runs through edgemtp::Decoder over a ReplayModel, which answers each model call
 // with the outputs the Python runtime recorded (first token, drafted tokens, the target's
-// argmax rows) after checking that the call is the recorded one (method, positions, padding,
-// token ids). The decoder's record of the generation must then equal the vectors' field by
-// field, and its method choice must equal the vectors' method_choice tables. The first
-// difference is printed as one line and the program exits 1 (2: the vectors cannot be read).
+// argmax rows), as logits whose argmax they are, after checking that the call is the recorded
+// one (method, positions, padding, token ids). The decoder's record of the generation must
+// then equal the vectors' field by field, and its method choice must equal the vectors'
+// method_choice tables. The first difference is printed as one line and the program exits 1
+// (2: the vectors cannot be read).
+#include <cstdint>
 #include <deque>
 #include <fstream>
 #include <iostream>
@@ -115,10 +117,14 @@ std::deque<ExpectedCall> expected_calls(const Value& c) {
   return out;
 }
 
-// Answers one case's model calls with the recorded outputs, checking each call first.
+// Answers one case's model calls with the recorded outputs, checking each call first. A
+// recorded token becomes a logits row whose first largest entry it is (tied with the next
+// token, so that only numpy's first-index argmax reads it back); every other draft step answers
+// as a clustered head, over a few candidates and their token ids.
 class ReplayModel : public edgemtp::Model {
  public:
-  explicit ReplayModel(std::deque<ExpectedCall> expected) : expected_(std::move(expected)) {}
+  ReplayModel(std::deque<ExpectedCall> expected, int vocab)
+      : expected_(std::move(expected)), vocab_(vocab) {}
 
   bool done() const { return expected_.empty(); }
   const std::string& next_where() const { return expected_.front().where; }
@@ -127,14 +133,18 @@ class ReplayModel : public edgemtp::Model {
     take(call.method, call.positions(), call.ids);
   }
 
-  int prefill_final(const edgemtp::RowCall& call) override {
-    return take(call.method, call.positions(), call.ids).answer.at(0);
+  edgemtp::LogitsRow prefill_final(const edgemtp::RowCall& call) override {
+    return logits(0, take(call.method, call.positions(), call.ids).answer.at(0));
   }
 
-  std::vector<int> verify(const edgemtp::RowCall& call) override {
+  std::vector<edgemtp::LogitsRow> verify(const edgemtp::RowCall& call) override {
     ExpectedCall e = take(call.method, call.positions(), call.ids);
     last_accepted_ = e.accepted;
-    return e.answer;
+    std::vector<edgemtp::LogitsRow> out;
+    for (std::size_t i = 0; i < e.answer.size(); ++i) {
+      out.push_back(logits(i, e.answer[i]));
+    }
+    return out;
   }
 
   void draft_from_verify_row(int row) override {
@@ -145,11 +155,28 @@ class ReplayModel : public edgemtp::Model {
     }
   }
 
-  int draft_step(const std::string& method, int token, int position) override {
-    return take(method, {position}, {token}).answer.at(0);
+  edgemtp::DraftLogits draft_step(const std::string& method, int token, int position) override {
+    int drafted = take(method, {position}, {token}).answer.at(0);
+    if (++draft_steps_ % 2 == 0) return {logits(0, drafted), nullptr};
+    candidate_ids_ = {(drafted + 1) % vocab_, drafted, (drafted + 2) % vocab_};
+    candidate_logits_ = {-1.0f, 4.0f, 4.0f};
+    return {{candidate_logits_.data(), 3}, candidate_ids_.data()};
   }
 
  private:
+  edgemtp::LogitsRow logits(std::size_t row, int token) {
+    if (rows_.size() <= row) rows_.resize(row + 1);
+    if (token < 0 || token >= vocab_) {
+      throw Mismatch("model call " + std::to_string(made_) + ": the recorded token " +
+                     std::to_string(token) + " is outside the vocabulary");
+    }
+    std::vector<float>& r = rows_[row];
+    r.assign(static_cast<std::size_t>(vocab_), -3.0f);
+    r[static_cast<std::size_t>(token)] = 5.0f;
+    if (token + 1 < vocab_) r[static_cast<std::size_t>(token + 1)] = 5.0f;
+    return {r.data(), vocab_};
+  }
+
   ExpectedCall take(const std::string& method, const std::vector<int>& positions,
                     const std::vector<int>& ids) {
     if (expected_.empty()) {
@@ -169,8 +196,13 @@ class ReplayModel : public edgemtp::Model {
   }
 
   std::deque<ExpectedCall> expected_;
+  int vocab_;
   int made_ = 0;
   int last_accepted_ = -1;
+  int draft_steps_ = 0;
+  std::vector<std::vector<float>> rows_;
+  std::vector<float> candidate_logits_;
+  std::vector<int64_t> candidate_ids_;
 };
 
 // --- the decoder's record, in the vectors' shape -------------------------------------------------
@@ -257,7 +289,7 @@ std::string first_difference(const Value& want, const Value& got, const std::str
 std::size_t replay_case(const Value& c, const edgemtp::BundleConfig& config) {
   const std::string name = c["name"].as_string();
   try {
-    ReplayModel model(expected_calls(c));
+    ReplayModel model(expected_calls(c), config.vocab_size);
     edgemtp::Decoder decoder(config, model);
     edgemtp::FixedDepth policy(c["depth"].as_int32());
     edgemtp::DecodeOptions options;

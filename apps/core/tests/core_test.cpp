@@ -238,9 +238,21 @@ void test_manifest() {
 
 // --- the decode loop ---------------------------------------------------------------------------
 
+// Logits whose argmax is `token`: a tie with the next token (the first index wins, as numpy's
+// argmax) and distinct values below, so that only first-index argmax picks `token`.
+void argmax_logits(std::vector<float>& row, int vocab, int token) {
+  row.assign(static_cast<std::size_t>(vocab), 0.0f);
+  for (int i = 0; i < vocab; ++i) {
+    row[static_cast<std::size_t>(i)] = -1.0f - 0.01f * static_cast<float>(i % 17);
+  }
+  row[static_cast<std::size_t>(token)] = 2.0f;
+  if (token + 1 < vocab) row[static_cast<std::size_t>(token + 1)] = 2.0f;
+}
+
 // A model whose greedy continuation is a known function of (token, position), over a cache it
 // checks is written contiguously; its drafter proposes that continuation but errs at some
-// positions, so rounds accept none, some or all of their drafts.
+// positions, so rounds accept none, some or all of their drafts. Every other draft step answers
+// as a clustered head would: logits over a few candidates and their token ids.
 class ScriptedModel : public edgemtp::Model {
  public:
   explicit ScriptedModel(int vocab) : vocab_(vocab) {}
@@ -254,15 +266,15 @@ class ScriptedModel : public edgemtp::Model {
 
   void prefill_intermediate(const edgemtp::RowCall& call) override { write(call); }
 
-  int prefill_final(const edgemtp::RowCall& call) override {
+  edgemtp::LogitsRow prefill_final(const edgemtp::RowCall& call) override {
     write(call);
-    return next(call.ids.back(), call.start + call.rows - 1);
+    return row(0, next(call.ids.back(), call.start + call.rows - 1));
   }
 
-  std::vector<int> verify(const edgemtp::RowCall& call) override {
+  std::vector<edgemtp::LogitsRow> verify(const edgemtp::RowCall& call) override {
     write(call);
-    std::vector<int> out;
-    for (int i = 0; i < call.rows; ++i) out.push_back(next(call.ids[i], call.start + i));
+    std::vector<edgemtp::LogitsRow> out;
+    for (int i = 0; i < call.rows; ++i) out.push_back(row(i, next(call.ids[i], call.start + i)));
     return out;
   }
 
@@ -271,14 +283,28 @@ class ScriptedModel : public edgemtp::Model {
     steps_ = 0;
   }
 
-  int draft_step(const std::string& method, int token, int position) override {
+  edgemtp::DraftLogits draft_step(const std::string& method, int token, int position) override {
     methods.push_back(method);
     int at = position + steps_++;  // the fed token's position
     int guess = next(token, at);
-    return wrong(at + 1) ? (guess + 1) % vocab_ : guess;
+    int drafted = wrong(at + 1) ? (guess + 1) % vocab_ : guess;
+    if (at % 2 == 0) return {row(0, drafted), nullptr};
+    // Candidates (drafted - 1, drafted, drafted + 1) with the middle one largest.
+    candidate_ids_ = {(drafted + vocab_ - 1) % vocab_, drafted, (drafted + 1) % vocab_};
+    candidate_logits_ = {1.0f, 3.0f, 2.5f};
+    return {{candidate_logits_.data(), 3}, candidate_ids_.data()};
   }
 
  private:
+  edgemtp::LogitsRow row(int index, int token) {
+    // One buffer per row: a verify's rows are all alive until the next call.
+    const auto at = static_cast<std::size_t>(index);
+    if (rows_.size() <= at) rows_.resize(at + 1);
+    std::vector<float>& r = rows_[at];
+    argmax_logits(r, vocab_, token);
+    return {r.data(), vocab_};
+  }
+
   void write(const edgemtp::RowCall& call) {
     methods.push_back(call.method);
     // A write at p forgets positions >= p (the methods' implicit rollback); it must not skip.
@@ -290,6 +316,9 @@ class ScriptedModel : public edgemtp::Model {
 
   int vocab_;
   int steps_ = 0;
+  std::vector<std::vector<float>> rows_;
+  std::vector<float> candidate_logits_;
+  std::vector<int64_t> candidate_ids_;
 };
 
 edgemtp::BundleConfig scripted_config(int max_context, int max_draft, int chunk,

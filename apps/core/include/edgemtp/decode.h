@@ -3,7 +3,8 @@
 // dependencies, so that the Android app (through JNI) and the iOS app (through Swift's C++
 // interoperability) run one engine that replays the Python runtime's conformance vectors.
 //
-// What lives here: greedy MTP accept/reject, the draft depth cap (budget, context end, deepest
+// What lives here: MTP accept/reject (greedy, or speculative sampling with a SamplingParams),
+// the draft depth cap (budget, context end, deepest
 // verify method), cache positions and what the sliding rings still hold after a rollback, the
 // choice of verify/draft method (draft depth and context bucket) and its left padding, prefill
 // chunking into prefill_intermediate / prefill_final calls, and stop tokens. What does not: the
@@ -11,6 +12,7 @@
 // Core ML (gathering embedding rows, running the bundle's methods, keeping hidden states).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <stdexcept>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "edgemtp/json.h"
+#include "edgemtp/sampling.h"
 
 namespace edgemtp {
 
@@ -146,27 +149,41 @@ struct RowCall {
   std::vector<int> positions() const;
 };
 
+// One row of logits: a view the Model owns, valid until its next call.
+struct LogitsRow {
+  const float* data = nullptr;
+  int size = 0;
+};
+
+// A draft step's distribution: logits over `logits.size` candidates; candidate i is token
+// token_ids[i] (a clustered LM head), or token i when token_ids is null.
+struct DraftLogits {
+  LogitsRow logits;
+  const int64_t* token_ids = nullptr;
+};
+
 // The model as a platform runs it: the bundle's methods over the shared KV cache, which the
 // methods write themselves (a write at position p first forgets positions >= p, so rollback
-// needs no call). The model also keeps the drafter's hidden state between calls.
+// needs no call). The model also keeps the drafter's hidden state between calls. Target logits
+// rows have the bundle's vocab_size entries; the Decoder picks the tokens.
 class Model {
  public:
   virtual ~Model() = default;
   // A full prompt chunk that is not the last: writes its K/V, returns nothing.
   virtual void prefill_intermediate(const RowCall& call) = 0;
   // The prompt's last chunk (left-padded to the chunk size): writes its K/V, keeps the last
-  // row's hidden state for the drafter, returns the argmax of its logits (the first token).
-  virtual int prefill_final(const RowCall& call) = 0;
+  // row's hidden state for the drafter, returns the last real row's logits.
+  virtual LogitsRow prefill_final(const RowCall& call) = 0;
   // A verify round (ids: the last committed token, then the drafts): writes their K/V, keeps
-  // each real row's hidden state, returns the argmax of each real row's logits.
-  virtual std::vector<int> verify(const RowCall& call) = 0;
+  // each real row's hidden state, returns each real row's logits (pad rows skipped).
+  virtual std::vector<LogitsRow> verify(const RowCall& call) = 0;
   // After a verify: the drafter starts from the hidden state of real row `row` (the row of
   // the token the round ends with).
   virtual void draft_from_verify_row(int row) = 0;
   // One draft step with `method`: the target embedding of `token` and the current drafter
   // hidden state at `position`; replaces the hidden state with the step's and returns the
-  // greedy drafted token (with a clustered head: the candidate id of the largest logit).
-  virtual int draft_step(const std::string& method, int token, int position) = 0;
+  // step's logits (with a clustered head: over its candidates, with their token ids).
+  virtual DraftLogits draft_step(const std::string& method, int token, int position) = 0;
 };
 
 struct Truncation {
@@ -187,12 +204,16 @@ struct Round {
   std::vector<DraftCall> draft_calls;
   std::vector<int> drafted;
   RowCall verify;
-  std::vector<int> target_argmax;  // per real verify row
+  std::vector<int> target_argmax;  // per real verify row (what greedy decoding commits)
   int accepted = 0;
   std::vector<int> committed;  // what the round adds to the output, cut after a stop token
   std::vector<Truncation> truncates;
   int position_after = 0;
   std::vector<std::vector<int>> slots;  // per cache kind (BundleConfig order), per verify row
+  // Wall time (DecodeOptions::clock): the draft steps, model calls and token choice; and the
+  // rest of the round (the verify call, acceptance). What an adaptive depth policy measures.
+  double draft_seconds = 0.0;
+  double verify_seconds = 0.0;
 };
 
 struct Generation {
@@ -223,11 +244,17 @@ class FixedDepth : public DepthPolicy {
 struct DecodeOptions {
   int max_new_tokens = 0;  // committed tokens, the prefill's first included
   std::vector<int> stop_ids;
+  // Temperature 0: greedy (argmax). Otherwise drafts are sampled from the drafter's
+  // distribution and verified by speculative sampling; the Rng is seeded from sampling.seed at
+  // each generate(), so a seed repeats a generation.
+  SamplingParams sampling;
   int reused = 0;  // leading prompt tokens whose K/V the cache already holds (a chat's turns)
   // Called with the first token, then with each round's committed tokens.
   std::function<void(const std::vector<int>&)> on_tokens;
   // Asked between rounds, where the cache holds exactly the committed tokens.
   std::function<bool()> should_stop;
+  // Seconds on a monotonic clock, for Round's timings; empty: std::chrono::steady_clock.
+  std::function<double()> clock;
 };
 
 // One sequence over one model: prefill, then rounds of draft, verify, accept and roll back.
@@ -237,7 +264,7 @@ class Decoder {
 
   const BundleConfig& config() const { return config_; }
 
-  // Greedy generation after `prompt` (whose first options.reused tokens are in the cache).
+  // Generation after `prompt` (whose first options.reused tokens are in the cache).
   // `max_new_tokens` counts committed tokens only: the depth shrinks near the end of the
   // budget and of the context, so drafts never spend it.
   Generation generate(const std::vector<int>& prompt, DepthPolicy& policy,
@@ -251,12 +278,19 @@ class Decoder {
  private:
   void prefill(const std::vector<int>& ids, int start, Generation& out);
   Round decode_round(int token, int position, int depth);
+  int draft_token(const DraftLogits& step, std::vector<std::vector<float>>& draft_probs);
   RowCall row_call(std::string method, const std::vector<int>& ids, int start, int pad) const;
   void check_fits(int end) const;
+  void check_row(const LogitsRow& row, const std::string& what) const;
+  double now() const;
 
   BundleConfig config_;
   Model& model_;
   RingTracker rings_;
+  // Set by each generate().
+  SamplingParams sampling_;
+  Rng rng_{0};
+  std::function<double()> clock_;
 };
 
 }  // namespace edgemtp

@@ -39,10 +39,16 @@ class Rng {
 int argmax(const float* logits, int size);
 
 // The distribution to sample from, over `size` logits (float32, as the Python runtime).
+// Where top-p's cut falls inside a group of equal scores, the lowest ids of the group stay
+// (the Python runtime keeps whichever torch.topk lists first, an unspecified order). Throws
+// Error on NaN logits or when none is finite.
 std::vector<float> probabilities(const float* logits, int size, const SamplingParams& params);
 
 // A token drawn from `probs` (weights need not sum to 1) with one uniform from `rng`.
 int sample(const std::vector<float>& probs, Rng& rng);
+// The same with the uniform given (in [0, 1)): inverse CDF, the first token whose running sum
+// exceeds uniform * total; a zero-probability token is never drawn.
+int sample(const std::vector<float>& probs, double uniform);
 
 struct Acceptance {
   int accepted = 0;  // drafts accepted
@@ -57,5 +63,11 @@ Acceptance greedy_accept(const std::vector<int>& target_argmax, const std::vecto
 Acceptance speculative_accept(const std::vector<std::vector<float>>& target_probs,
                               const std::vector<std::vector<float>>& draft_probs,
                               const std::vector<int>& drafts, Rng& rng);
+// The same with its k + 1 uniforms given: draft i is accepted while uniforms[i] * q < p, and
+// the next token is sample(..., uniforms[k]). The Rng version draws them in this order.
+Acceptance speculative_accept(const std::vector<std::vector<float>>& target_probs,
+                              const std::vector<std::vector<float>>& draft_probs,
+                              const std::vector<int>& drafts,
+                              const std::vector<double>& uniforms);
 
 }  // namespace edgemtp
