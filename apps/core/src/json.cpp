@@ -9,6 +9,8 @@
 #include <system_error>
 #include <utility>
 
+#include "edgemtp/utf8.h"
+
 namespace edgemtp::json {
 
 const char* kind_name(Value::Kind kind) {
@@ -350,24 +352,6 @@ class Parser {
     return code;
   }
 
-  static void append_utf8(unsigned code, std::string& out) {
-    if (code < 0x80) {
-      out += static_cast<char>(code);
-    } else if (code < 0x800) {
-      out += static_cast<char>(0xC0 | (code >> 6));
-      out += static_cast<char>(0x80 | (code & 0x3F));
-    } else if (code < 0x10000) {
-      out += static_cast<char>(0xE0 | (code >> 12));
-      out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (code & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (code >> 18));
-      out += static_cast<char>(0x80 | ((code >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (code & 0x3F));
-    }
-  }
-
   std::string string() {
     expect('"');
     std::string out;
@@ -407,7 +391,7 @@ class Parser {
           } else if (code >= 0xDC00 && code <= 0xDFFF) {
             fail("unpaired surrogate in \\u escape");
           }
-          append_utf8(code, out);
+          append_utf8(out, code);
           break;
         }
         default:

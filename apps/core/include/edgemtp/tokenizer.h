@@ -54,8 +54,8 @@ class Tokenizer {
    private:
     const Tokenizer* tokenizer_;
     bool skip_special_;
-    std::vector<int> ids_;
-    size_t emitted_ = 0;  // bytes of decode(ids_) already returned
+    std::vector<int> ids_;  // pushed ids whose text is not released yet
+    bool started_ = false;  // some token's text was released: the decoder is mid-text
   };
 
   struct Impl;
