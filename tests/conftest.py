@@ -1,4 +1,7 @@
+import contextlib
+import io
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,30 @@ def tiny_coreml_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
         ]
     ) == 0  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    argv: list[str]
+    bundle: Path
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def demo_first_run(tmp_path_factory) -> DemoRun:
+    """`edgemtp demo --json` run once into a fresh folder: it exports the embedded pair to its
+    Q4_0 ExecuTorch bundle (about 2.5 minutes here), which every test that runs that bundle
+    shares."""
+    from edgemtp.cli import main
+
+    bundle = tmp_path_factory.mktemp("demo") / "bundle"
+    argv = ["demo", "--json", "--tokens", "24", "--repeat", "1", "--depth", "3"]
+    argv += ["--out", str(bundle)]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    return DemoRun(argv, bundle, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="session")

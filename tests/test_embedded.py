@@ -101,16 +101,13 @@ def test_shipped_pair_drafts_well_on_the_demo_prompts() -> None:
 
 
 @shipped
-def test_demo_exports_once_and_reports_mtp_against_ar(tmp_path: Path, capsys) -> None:
+def test_demo_exports_once_and_reports_mtp_against_ar(demo_first_run, capsys) -> None:
     """`edgemtp demo --json`: the embedded pair lowered to a Q4_0 ExecuTorch bundle (once), MTP
     and AR on the same prompts, the figures as one JSON object; the second run reuses the
     bundle."""
-    out = tmp_path / "bundle"
-    argv = ["demo", "--json", "--tokens", "24", "--repeat", "1", "--depth", "3", "--out", str(out)]
-    assert main(argv) == 0
-    captured = capsys.readouterr()
-    result = json.loads(captured.out)
-    assert "exporting the embedded pair" in captured.err
+    out, argv = demo_first_run.bundle, demo_first_run.argv
+    result = json.loads(demo_first_run.stdout)
+    assert "exporting the embedded pair" in demo_first_run.stderr
     for key in ("ar_decode_tok_s", "mtp_decode_tok_s", "speedup", "mean_committed_per_forward"):
         assert result[key] > 0, key
     assert result["speedup"] == pytest.approx(

@@ -1,0 +1,32 @@
+# engine_run: the Engine over ExecuTorch's C++ runtime (tests/test_apps_engine.py drives it).
+# Built only where ExecuTorch's CMake package is found, e.g. the executorch Python wheel's:
+#   -DEDGEMTP_EXECUTORCH_DIR=.venv/lib/python3.11/site-packages/executorch
+# (the package root or its lib/cmake/executorch folder); without it, the usual find_package
+# search (CMAKE_PREFIX_PATH, executorch_DIR). Quietly skipped when absent.
+set(EDGEMTP_EXECUTORCH_DIR "" CACHE PATH
+    "ExecuTorch's package root (e.g. site-packages/executorch): builds engine_run when set")
+if(EDGEMTP_EXECUTORCH_DIR)
+  find_package(executorch CONFIG QUIET NO_DEFAULT_PATH
+               PATHS ${EDGEMTP_EXECUTORCH_DIR} ${EDGEMTP_EXECUTORCH_DIR}/lib/cmake/executorch)
+else()
+  find_package(executorch CONFIG QUIET)
+endif()
+if(NOT executorch_FOUND OR NOT EXECUTORCH_FOUND)
+  message(STATUS "engine_run: ExecuTorch's CMake package not found, not built "
+                 "(set EDGEMTP_EXECUTORCH_DIR to the executorch package root)")
+  return()
+endif()
+
+add_executable(engine_run ${CMAKE_CURRENT_LIST_DIR}/engine_run.cpp
+                          ${CMAKE_CURRENT_LIST_DIR}/engine_cli.cpp
+                          ${CMAKE_CURRENT_LIST_DIR}/executorch_runner.cpp)
+target_link_libraries(engine_run PRIVATE edgemtp_core)
+edgemtp_warnings(engine_run)
+if(TARGET executorch::runtime)  # CMake 3.28+: imported targets carry everything
+  target_link_libraries(engine_run PRIVATE ${EXECUTORCH_LIBRARIES})
+else()  # older CMake: the package's variables, applied by hand
+  target_include_directories(engine_run SYSTEM PRIVATE ${EXECUTORCH_INCLUDE_DIRS})
+  target_compile_definitions(engine_run PRIVATE ${EXECUTORCH_COMPILE_DEFINITIONS})
+  target_link_libraries(engine_run PRIVATE ${EXECUTORCH_LIBRARIES})
+  set_target_properties(engine_run PROPERTIES BUILD_RPATH "${EXECUTORCH_RUNTIME_LIBRARY_DIR}")
+endif()
