@@ -115,7 +115,7 @@ def test_safetensors_headers_with_random_entries_raise_only_edgemtp_errors(heade
 @pytest.mark.parametrize("target", list(targets.TARGETS))
 def test_bounded_coverage_guided_run_finds_nothing(target, tmp_path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "fuzz" / "run.py"), target, "--seconds", "20",
+        [sys.executable, str(ROOT / "fuzz" / "run.py"), target, "--seconds", "10",
          "--work", str(tmp_path), "--out", str(tmp_path / "result.json")],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
