@@ -7,24 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "edgemtp/decode.h"
 #include "edgemtp/json.h"
 
 namespace {
 
 using edgemtp::json::Value;
-
-int failures = 0;
-
-void check(bool ok, const std::string& what, int line) {
-  if (!ok) {
-    ++failures;
-    std::cerr << "core_test.cpp:" << line << ": FAILED: " << what << "\n";
-  }
-}
-
-#define CHECK(cond) check((cond), #cond, __LINE__)
-#define CHECK_EQ(a, b) check((a) == (b), #a " == " #b, __LINE__)
 
 // True when `body` throws E whose message contains `needle`.
 template <typename E>
@@ -164,8 +153,8 @@ const char* kManifest = R"({
 std::string edited(const std::string& from, const std::string& to) {
   std::string out = kManifest;
   std::size_t at = out.find(from);
-  check(at != std::string::npos && out.find(from, at + 1) == std::string::npos,
-        "'" + from + "' occurs once in kManifest", __LINE__);
+  CHECK_MSG(at != std::string::npos && out.find(from, at + 1) == std::string::npos,
+            "'" + from + "' occurs once in kManifest");
   if (at != std::string::npos) out.replace(at, from.size(), to);
   return out;
 }
@@ -308,7 +297,7 @@ class ScriptedModel : public edgemtp::Model {
   void write(const edgemtp::RowCall& call) {
     methods.push_back(call.method);
     // A write at p forgets positions >= p (the methods' implicit rollback); it must not skip.
-    check(call.start <= static_cast<int>(cache.size()), "contiguous cache write", __LINE__);
+    CHECK_MSG(call.start <= static_cast<int>(cache.size()), "contiguous cache write");
     cache.resize(static_cast<std::size_t>(call.start));
     cache.insert(cache.end(), call.ids.begin(), call.ids.end());
     steps_ = 0;
@@ -456,10 +445,5 @@ int main() {
   test_decode();
   test_budget_context_and_stops();
   test_context_buckets();
-  if (failures != 0) {
-    std::cerr << failures << " check(s) failed\n";
-    return 1;
-  }
-  std::cout << "core_test: all checks passed\n";
-  return 0;
+  return edgemtp_test::summary("core_test");
 }

@@ -11,24 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "edgemtp/adaptive.h"
 #include "edgemtp/decode.h"
 #include "edgemtp/sampling.h"
 
 namespace {
-
-int failures = 0;
-
-void check(bool ok, const std::string& what, int line) {
-  if (!ok) {
-    ++failures;
-    std::cerr << "sampling_test.cpp:" << line << ": FAILED: " << what << "\n";
-  }
-}
-
-#define CHECK(cond) check((cond), #cond, __LINE__)
-#define CHECK_EQ(a, b) check((a) == (b), #a " == " #b, __LINE__)
-#define CHECK_NEAR(a, b, tol) check(std::fabs((a) - (b)) <= (tol), #a " ~ " #b, __LINE__)
 
 // The message of the edgemtp::Error `body` throws ("" when it throws none).
 std::string error_of(const std::function<void()>& body) {
@@ -487,10 +475,5 @@ int main() {
   test_decoder_timing_and_adaptive();
   test_decoder_sampling();
   test_decoder_refusals();
-  if (failures != 0) {
-    std::cerr << failures << " check(s) failed\n";
-    return 1;
-  }
-  std::cout << "sampling_test: all checks passed\n";
-  return 0;
+  return edgemtp_test::summary("sampling_test");
 }
