@@ -7,7 +7,9 @@
 #      bundle's manifest,
 #   4. the core replays the vectors (conformance_test): every decode decision matches,
 #   5. the core accepts the bundle's manifest.json (manifest_test) and reads what it holds,
-#   6. the manifest validates against export/manifest.schema.json, whose schema version is the
+#   6. the core's tokenizer gives the bundle's tokenizer.json the same ids as `tokenizers` on the
+#      demo prompts (plain and as a chat turn),
+#   7. the manifest validates against export/manifest.schema.json, whose schema version is the
 #      one the core reads.
 #
 # Usage: apps/check.sh            (from anywhere; needs cmake, a C++17 compiler, the edgemtp venv)
@@ -111,6 +113,36 @@ print(
     f"{core['max_draft']}, chunk {core['chunk']}, {kinds}; {len(core['rounds'])} rounds' "
     "methods match StaticShapes"
 )
+EOF
+
+begin "tokenizer_test: the core tokenizes the demo prompts as tokenizers does (the bundle's tokenizer.json)"
+"$python" - "$root/models/embedded-target/demo_prompts.json" "$work/tokenizer-cases.json" <<'EOF'
+import json
+import sys
+
+prompts = json.load(open(sys.argv[1]))
+json.dump({"encode": prompts, "prompts": prompts}, open(sys.argv[2], "w"))
+EOF
+"$work/core/tokenizer_test" "$work/bundle/tokenizer.json" "$work/tokenizer-cases.json" \
+  >"$work/tokenized.json"
+"$python" - "$work/bundle/tokenizer.json" "$work/tokenizer-cases.json" "$work/tokenized.json" <<'EOF'
+import json
+import sys
+
+from tokenizers import Tokenizer
+
+from edgemtp.runtime.tokenizer import PromptTokenizer
+
+oracle = Tokenizer.from_file(sys.argv[1])
+prompts = json.load(open(sys.argv[2]))["prompts"]
+core = json.load(open(sys.argv[3]))
+session = PromptTokenizer(oracle)
+for text, encoded, prompt in zip(prompts, core["encode"], core["prompts"], strict=True):
+    assert encoded["with"] == oracle.encode(text).ids, f"encode differs on {text[:40]!r}"
+    assert encoded["without"] == oracle.encode(text, add_special_tokens=False).ids
+    assert prompt["chat"] == session.encode_prompt(text, chat=True)
+tokens = sum(len(e["with"]) for e in core["encode"])
+print(f"{len(prompts)} prompts, {tokens} tokens: the same ids as tokenizers and PromptTokenizer")
 EOF
 
 begin "the manifest validates against export/manifest.schema.json (the schema the core reads)"
