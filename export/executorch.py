@@ -7,7 +7,8 @@ Delegates:
   points and rejects negative or zero scales, so a block whose scale is negative (Q4_0 has
   many: d = max / -8) or whose zero point is not 8 (asymmetric W4A16) is written exactly as
   codes' * |s| + offset, the offset being one constant per block; the program adds
-  offset * (sum of the block's activations) with a small fp32 linear pair. Other linears stay
+  offset * (sum of the block's activations) with a small fp32 linear pair. Linears of one
+  module that read the same input (Q/K/V, gate/up) run as one such linear. Other linears stay
   fp32. The assistant's clustered head gathers LM-head rows by token id (no linear can do
   that): from the int4 codes when there are some, dequantized exactly in fp32.
 - `metal` / `npu`: Core ML through ExecuTorch's Core ML delegate (compute units CPU_AND_GPU /
@@ -67,10 +68,11 @@ class LinearMeanRMSNorm(ExportRMSNorm):
     The static programs are float32, so the dtype casts of the reference are identities."""
 
     mean_weight: Tensor
+    eps_bias: Tensor
 
     def forward(self, x: Tensor) -> Tensor:
-        ms = F.linear(x * x, self.mean_weight)
-        y = x * torch.rsqrt(ms + self.eps)
+        ms = F.linear(x * x, self.mean_weight, self.eps_bias)  # + eps as the bias: one op less
+        y = x * torch.rsqrt(ms)
         return y * self.weight if self.weight is not None else y
 
 
@@ -227,6 +229,75 @@ class Int4ClusteredHead(ClusteredHead):
         return ids, self.linear(h)[ids]
 
 
+# Linears of one module that read the same input, fused into one 8da4w linear each: per
+# owning attention layer Q, K and V; per MLP gate and up.
+SHARED_INPUT_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedInt4Linear(Int4Linear):
+    """Int4 linears that read the same input, as one: their rows stacked, so XNNPACK runs one
+    activation quantization, one int4 GEMM and one offset pair instead of one each (with the
+    norm and GELU forms, 1787 -> 1560 operators per PEER-90M decode step, which is 5 % faster:
+    benchmarks/README.md). Exact: the activations are quantized per row, the same for every
+    output. Each part asks for the same `x` (the one tensor the parent module passes them all)
+    and gets its columns of one product, computed on the first ask."""
+
+    def __init__(self, parts: list[Int4Linear]):
+        offsets = [p.offset if p.offset is not None else torch.zeros_like(p.scales) for p in parts]
+        super().__init__(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.zeros for p in parts]),
+            parts[0].group,
+            torch.cat(offsets) if any(p.offset is not None for p in parts) else None,
+            parts[0].dynamic_int8,
+        )
+        self._last: tuple[Tensor, Tensor] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, super().forward(x))
+        return self._last[1]
+
+
+class Int4Columns(nn.Module):
+    """Columns [start, end) of a `FusedInt4Linear`'s product (held unregistered: its weights
+    belong to the module that owns the fused linear)."""
+
+    def __init__(self, fused: FusedInt4Linear, start: int, end: int):
+        super().__init__()
+        self.__dict__["fused"] = fused
+        self.start, self.end = start, end
+        self.out_features, self.in_features = end - start, fused.in_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fused(x)[..., self.start : self.end]
+
+
+def fuse_shared_input_linears(model: nn.Module) -> int:
+    """Fuse (in place) the members of each group of `SHARED_INPUT_LINEARS` that a module has,
+    when there are two or more and all are 8da4w linears (a KV-shared layer has only Q; a
+    layer whose values are its keys has Q and K). Returns how many linears were folded."""
+    folded = 0
+    for module in list(model.modules()):
+        for group in SHARED_INPUT_LINEARS:
+            names = [n for n in group if getattr(module, n, None) is not None]
+            parts = [getattr(module, n) for n in names]
+            if len(parts) < 2 or not all(
+                type(p) is Int4Linear and p.dynamic_int8 and p.group == parts[0].group
+                for p in parts
+            ):
+                continue
+            fused = FusedInt4Linear(parts)
+            module.register_module("_".join(n.removesuffix("_proj") for n in names), fused)
+            start = 0
+            for name, part in zip(names, parts, strict=True):
+                setattr(module, name, Int4Columns(fused, start, start + part.out_features))
+                start += part.out_features
+            folded += len(parts)
+    return folded
+
+
 def _norm_dim(model: nn.Module, path: str, norm: nn.Module) -> int:
     """The normalized size of an RMSNorm: its weight's, or the head size for the scale-free
     value norm of an attention block."""
@@ -283,7 +354,10 @@ def xnnpack_forms(model: nn.Module, role: str = "") -> dict[str, Any]:
             d = _norm_dim(model, path, module)
             module.__class__ = LinearMeanRMSNorm
             module.register_buffer("mean_weight", torch.full((1, d), 1.0 / d), persistent=False)
-    return swap_int4(model, Int4Linear.xnnpack, role)
+            module.register_buffer("eps_bias", torch.tensor([module.eps]), persistent=False)
+    stats = swap_int4(model, Int4Linear.xnnpack, role)
+    stats["fused_linears"] = fuse_shared_input_linears(model)
+    return stats
 
 
 def _bundle_models(static: StaticBundle) -> list[tuple[str, nn.Module]]:
@@ -463,6 +537,7 @@ def _lower_xnnpack(static: StaticBundle, out_dir: Path, progress: Progress) -> L
         "delegation": summary,
         "int4_linears": stats["int4"],
         "offset_blocks": stats["offset_blocks"],
+        "fused_linears": stats.get("fused_linears", 0),
         "float_linears": stats["float_linears"],
         "full_xnnpack_pipeline": full,  # partition tag -> op that needed every XNNPACK pass
     }
@@ -500,6 +575,11 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
             "XNNPACK at run time: scale = (max(x,0) - min(x,0)) / 255; never 16-bit"
         )
         out["accumulation"] = "int32 per 32-block, times the block scale, summed in fp32"
+        if stats.get("fused_linears"):
+            out["fused"] = (
+                f"{stats['fused_linears']} linears that read one input (Q/K/V, gate/up) run as "
+                "one int4 linear per input; the same codes, scales and rounding (exact)"
+            )
         if stats["offset_blocks"]:
             out["offsets"] = (
                 f"{stats['offset_blocks']} blocks with a negative scale or a zero point other "
@@ -517,7 +597,7 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
         out["accumulation"] = "fp32"
     if stats["head"]:
         out["drafter_head"] = f"clustered head: {stats['head']}"
-    out["norms"] = "RMSNorm mean of squares as a 1-output fp32 linear (weights 1/d)"
+    out["norms"] = "RMSNorm mean of squares as a 1-output fp32 linear (weights 1/d, bias eps)"
     out["cache"] = "fp32 K/V, shared in place by every method"
     return out
 

@@ -58,10 +58,11 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU from delegated ops. XNNPACK's GELU ignores `approximate="tanh"` and computes the
-    erf form (1e-3 off in Gemma's MLPs), so the tanh form is spelled out."""
+    erf form (1e-3 off in Gemma's MLPs), so the tanh form is spelled out, as
+    0.5 (1 + tanh z) = sigmoid(2z): six operators where the textbook form takes nine."""
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))
-        return 0.5 * x * (1.0 + torch.tanh(inner))
+        z2 = x * (2 * _SQRT_2_OVER_PI + (2 * _SQRT_2_OVER_PI * 0.044715) * (x * x))
+        return x * torch.sigmoid(z2)
     return 0.5 * x * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
 
 

@@ -29,8 +29,10 @@ from edgemtp.devices.calibrate import linear_chain
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.driver import ExecuTorchRunner
 from edgemtp.export.executorch import (
+    FusedInt4Linear,
     Int4Linear,
     _block_form,
+    fuse_shared_input_linears,
     lower_executorch,
     program_operators,
     xnnpack_forms,
@@ -175,6 +177,44 @@ def test_8da4w_linear_matches_numpy_oracle(checkpoints, scheme):
     scale = np.abs(oracle).max()
     assert np.abs(got - oracle).max() <= 2e-6 * scale
     assert np.abs(oracle - xn @ w.dequantize().numpy().T).max() > 1e-4 * scale  # not fp32
+
+
+class _ThreeParts(torch.nn.Module):
+    """Q, K and V of a layer called as an attention block calls them: three times on one x."""
+
+    def __init__(self, attn: torch.nn.Module):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.attn
+        return torch.cat([a.k_proj(x), a.v_proj(x), a.q_proj(x)], dim=-1)
+
+
+def test_fused_qkv_linear_computes_each_part_exactly(checkpoints):
+    """One 8da4w linear for Q, K and V: the program runs one int4 GEMM, and each part's
+    columns are what that part's own lowered linear computes."""
+    target, _ = _load(checkpoints, "q4_0")
+    attn = target.model.layers[0].self_attn
+    parts = {
+        n: Int4Linear.xnnpack(int4_of(getattr(attn, n))) for n in ("k_proj", "v_proj", "q_proj")
+    }
+    for name, linear in parts.items():
+        setattr(attn, name, linear)
+    x = torch.randn(4, parts["q_proj"].in_features, generator=torch.Generator().manual_seed(2))
+    separate = np.concatenate([_run(_lower_linear(p, x), x) for p in parts.values()], axis=-1)
+    assert fuse_shared_input_linears(attn) == 3
+    assert isinstance(attn.q_k_v, FusedInt4Linear) and attn.q_k_v.offset is not None
+    module = _ThreeParts(attn)
+    edge = lower_programs({"forward": export_method(module, (x,))}, lambda: [xnnpack_partitioner()])
+    ops = program_operators(edge.to_executorch(backend_config()).executorch_program)["forward"]
+    fused = _run(_lower_linear(module, x), x)
+    scale = np.abs(separate).max()
+    assert np.abs(fused - separate).max() <= 1e-6 * scale
+    with torch.no_grad():
+        assert np.abs(module(x).numpy() - separate).max() <= 0.05 * scale  # eager 8da4w form
+    # one activation quantization + one int4 GEMM + one offset pair (FC, FC, add) + slices
+    assert ops < 3 * 5
 
 
 def test_lowering_a_program_twice_gives_the_same_bytes(checkpoints):
