@@ -276,7 +276,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=_counts, default=(128, 512, 2048), help="prompt lengths: ppN tests")
     p.add_argument("--tg", type=_counts, default=(128,), help="generated lengths: tgN tests")
     p.add_argument(
-        "--mtp", type=_depths, help="draft depths, 0 = AR (default: every depth the bundle has)"
+        "--mtp",
+        type=_bench_depths,
+        help="draft depths, 0 = AR, auto = the adaptive depth (default: every depth the bundle "
+        "has)",
     )
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per test (median)")
     p.add_argument("--tg-prompt", type=int, default=32, help="prompt tokens before a tg test")
@@ -333,6 +336,14 @@ def _depths(text: str) -> tuple[int, ...]:
     if not values or values[0] < 0:
         raise argparse.ArgumentTypeError(f"'{text}': draft depths are >= 0 (0 = AR)")
     return values
+
+
+def _bench_depths(text: str) -> tuple[int | str, ...]:
+    """Pinned depths, and `auto` (the adaptive depth) if named: 0,1,2,3,auto."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    pinned = [x for x in items if x != "auto"]
+    auto: tuple[str, ...] = ("auto",) if "auto" in items else ()
+    return (*(_depths(",".join(pinned)) if pinned else ()), *auto)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -12,6 +12,11 @@ Tests: `ppN` prefills an N-token prompt and makes one token (prefill tok/s = N /
 - under greedy decoding an MTP run's tokens must equal the AR run's on the same prompt: each MTP
   run records whether they do (`valid`); no run is dropped, a failed one records its error.
 
+Depth `auto` runs the session's adaptive depth (`runtime.adaptive`) beside the pinned depths, on
+the same prompts. The policy keeps what it has learned across the runs of a bench, as it does
+across the requests of an app's session; the auto warm-up run is its first lesson. Its row
+reports the depths it chose (`depths_used`).
+
 `acceptance_oracle`: the drafter still runs every step, but each draft it returns is replaced by
 the target's own greedy continuation (from the AR run on that prompt) with probability `rate`
 and by a token that cannot be accepted otherwise: the mechanics of MTP at a controlled
@@ -29,6 +34,7 @@ import platform
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -45,14 +51,16 @@ from edgemtp.runtime.sampling import SamplingParams
 SCHEMA = "edgemtp-bench/1"
 SCHEMA_FILE = Path(__file__).with_name("bench.schema.json")
 GREEDY = SamplingParams()
+AUTO = "auto"  # the adaptive depth, as `--mtp auto` of generate
 Say = Callable[[str], None]
+Depth = int | str  # a pinned depth (0 = AR) or AUTO
 
 
 @dataclass(frozen=True)
 class BenchPlan:
     pp: tuple[int, ...] = (128, 512, 2048)
     tg: tuple[int, ...] = (128,)
-    depths: tuple[int, ...] = (0, 1, 2, 3)
+    depths: tuple[Depth, ...] = (0, 1, 2, 3)
     repeat: int = 5
     tg_prompt: int = 32  # prompt tokens before a tg test
     acceptance_oracle: float | None = None
@@ -68,15 +76,20 @@ class BenchPlan:
             raise EdgeMTPError(f"--repeat {self.repeat}: run each test at least once")
         if self.tg_prompt < 1:
             raise EdgeMTPError(f"--tg-prompt {self.tg_prompt}: a prompt needs a token")
-        deepest = max(self.depths, default=0)
+        pinned = [d for d in self.depths if d != AUTO]
+        if any(not isinstance(d, int) for d in pinned):
+            raise EdgeMTPError(f"--mtp {self.depths}: depths are integers >= 0 or auto")
+        deepest = max(pinned, default=0)
         if deepest and not backend.has_drafter:
             raise EdgeMTPError(f"--mtp {deepest} needs a drafter; this bundle has none (--mtp 0)")
+        if AUTO in self.depths and not backend.has_drafter:
+            raise EdgeMTPError("--mtp auto adapts the draft depth: this bundle has no drafter")
         if deepest > backend.max_draft:
             raise EdgeMTPError(
                 f"--mtp {deepest}: this bundle verifies at most {backend.max_draft} drafts "
                 f"(export with --draft-depth {deepest} for more)"
             )
-        if min(self.depths, default=0) < 0:
+        if min(pinned, default=0) < 0:
             raise EdgeMTPError(f"--mtp {self.depths}: depths are >= 0 (0 = AR)")
         rate = self.acceptance_oracle
         if rate is not None and not 0 <= rate <= 1:
@@ -185,7 +198,8 @@ def run_bench(session: Any, plan: BenchPlan, texts: Sequence[str], say: Say) -> 
     for kind, n, depths in tests:
         name = f"{kind}{n}"
         prompt_len, gen = (n, 1) if kind == "pp" else (plan.tg_prompt, n)
-        if prompt_len + gen + max(depths) + 1 > limit:
+        deepest = max(session.backend.max_draft if d == AUTO else d for d in depths)
+        if prompt_len + gen + deepest + 1 > limit:
             say(
                 f"{name}: skipped, {prompt_len} prompt + {gen} generated tokens do not fit the "
                 f"bundle's context of {limit}"
@@ -211,7 +225,7 @@ def _run(
     session: Any,
     plan: BenchPlan,
     test: str,
-    depth: int,
+    depth: Depth,
     round_: int,
     prompt: list[int],
     gen: int,
@@ -227,7 +241,7 @@ def _run(
         "acceptance_oracle": None,
     }
     backend = session.backend
-    oracle = plan.acceptance_oracle is not None and depth > 0
+    oracle = plan.acceptance_oracle is not None and depth != 0
     if oracle:
         record["acceptance_oracle"] = plan.acceptance_oracle
         seed = f"{plan.seed} {test} {depth} {round_}"
@@ -275,7 +289,7 @@ def acceptance_by_position(rounds: Sequence[Sequence[int]]) -> list[float | None
     return rates
 
 
-def _timed(runs: Sequence[dict], test: str, depth: int) -> list[dict]:
+def _timed(runs: Sequence[dict], test: str, depth: Depth) -> list[dict]:
     """The runs of one test and depth that count: not warm-ups, not failed."""
     return [
         r
@@ -320,6 +334,9 @@ def summarize(runs: Sequence[dict]) -> list[dict[str, Any]]:
                 "checked_runs": len(checked),
             }
         )
+        if depth == AUTO:  # how often the policy chose each depth (0: an AR step)
+            used = Counter(k for k, _ in rounds)
+            rows[-1]["depths_used"] = {str(k): used[k] for k in sorted(used)}
     for row in rows:
         ar = next((a for a in rows if a["test"] == row["test"] and a["depth"] == 0), None)
         both = ar and ar["tok_s_median"] and row["tok_s_median"]
@@ -443,7 +460,8 @@ def predict(
     bundle: Path, device: str, delegate: str, plan: BenchPlan, runs: Sequence[dict]
 ) -> dict[str, Any]:
     """The simulator's tok/s for each summary row: prefill for pp rows; decode for tg rows at the
-    acceptance per position that row measured."""
+    acceptance per position that row measured. For an auto row: the simulator's best depth at
+    that acceptance (what a perfect depth choice would give), named in `best_depth`."""
     from edgemtp.devices.profiles import load_profile
     from edgemtp.devices.simulator import (
         Acceptance,
@@ -467,8 +485,11 @@ def predict(
             rounds = [rd for r in _timed(runs, row["test"], depth) for rd in r["rounds"]]
             source = f"measured in this bench: {row['test']} depth {depth}"
             acceptance = acceptance_from_rounds(rounds, source)
-            prediction = simulate(model, profile, delegate, (depth,), acceptance, plan.tg_prompt, n)
-            tok_s = prediction.decode_tok_s[depth]
+            candidates = tuple(range(model.max_draft + 1)) if depth == AUTO else (depth,)
+            prediction = simulate(
+                model, profile, delegate, candidates, acceptance, plan.tg_prompt, n
+            )
+            tok_s = prediction.decode_tok_s[prediction.best_depth]
         assumptions = prediction.assumptions
         measured_tok_s = row["tok_s_median"]
         predicted.append(
@@ -479,6 +500,8 @@ def predict(
                 "error": tok_s / measured_tok_s - 1 if measured_tok_s else None,
             }
         )
+        if depth == AUTO:
+            predicted[-1]["best_depth"] = prediction.best_depth
     return {
         "device": device,
         "profile": profile.name,

@@ -72,6 +72,8 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
         mtp = str(row["depth"]) + (
             f" (oracle {oracle:g})" if oracle is not None and row["depth"] else ""
         )
+        if row.get("depths_used"):  # auto: rounds per chosen depth
+            mtp += " (" + ", ".join(f"{n}×d{k}" for k, n in row["depths_used"].items()) + ")"
         speed = _num(row["tok_s_median"])
         if row.get("tok_s_stdev") is not None:
             speed += f" ± {row['tok_s_stdev']:.1f}"
@@ -95,7 +97,8 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
                 )
                 + ("%" if row["acceptance_rate"] is not None else ""),
                 valid,
-                _num(pred["tok_s"]) if pred else "-",
+                (_num(pred["tok_s"]) if pred else "-")
+                + (f" (d{pred['best_depth']})" if pred and "best_depth" in pred else ""),
                 f"{100 * pred['error']:+.0f}%" if pred and pred["error"] is not None else "-",
             ]
         )
@@ -212,6 +215,14 @@ def plot(docs: Sequence[dict[str, Any]], out: Path) -> list[str]:
         rows = [r for r in doc["summary"] if r["test"].startswith("tg")]
         for test in dict.fromkeys(r["test"] for r in rows):
             mine = [r for r in rows if r["test"] == test and r["tok_s_median"]]
+            for auto in [r for r in mine if r["depth"] == "auto"]:
+                ax.axhline(
+                    auto["tok_s_median"],
+                    linestyle=":",
+                    color="gray",
+                    label=f"{label(doc)} {test} adaptive depth",
+                )
+            mine = [r for r in mine if r["depth"] != "auto"]
             depths = [r["depth"] for r in mine]
             lo = [r["tok_s_median"] - r["tok_s_min"] for r in mine]
             hi = [r["tok_s_max"] - r["tok_s_median"] for r in mine]

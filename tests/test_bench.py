@@ -28,7 +28,7 @@ from edgemtp.runtime.bench import (
 from edgemtp.runtime.generate import generate
 from edgemtp.runtime.session import Session
 
-TG, REPEAT, DEPTHS = 12, 2, (0, 1, 2)
+TG, REPEAT, DEPTHS = 12, 2, (0, 1, 2, "auto")
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,9 @@ def profile(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def report(bundle, profile, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("report") / "bench"
-    argv = ["bench", "--bundle", str(bundle), "--pp", "16,200", "--tg", str(TG), "--mtp", "0,1,2",
-            "--repeat", str(REPEAT), "--device", str(profile), "--out", str(out)]  # fmt: skip
+    argv = ["bench", "--bundle", str(bundle), "--pp", "16,200", "--tg", str(TG),
+            "--mtp", "auto,0,1,2", "--repeat", str(REPEAT), "--device", str(profile),
+            "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     (result,) = (out / "results").glob("*.json")
     return out, json.loads(result.read_text())
@@ -123,8 +124,10 @@ def test_summary_is_the_median_of_the_timed_runs(report):
             if key == "decode_tok_s":  # (n_out - 1) / (t_end - t_first)
                 assert r[key] == pytest.approx((r["generated_tokens"] - 1) / r["decode_s"])
         rounds = [rd for r in runs for rd in r["rounds"]]
-        if row["depth"]:
-            drafted, accepted = (sum(x) for x in zip(*rounds, strict=True))
+        drafted, accepted = (sum(x) for x in zip(*rounds, strict=True)) if rounds else (0, 0)
+        if not drafted:  # AR, or an adaptive depth that chose AR throughout
+            assert row["acceptance_rate"] is None
+        else:
             assert row["acceptance_rate"] == pytest.approx(accepted / drafted)
             assert row["committed_per_round"] == pytest.approx(
                 (len(rounds) + accepted) / len(rounds)
@@ -142,6 +145,21 @@ def test_each_row_has_the_simulators_prediction(report, capsys):
         p = predicted[(row["test"], row["depth"])]
         assert p["tok_s"] > 0
         assert p["error"] == pytest.approx(p["tok_s"] / row["tok_s_median"] - 1)
+
+
+def test_auto_row_reports_the_depths_the_policy_chose(report):
+    _, doc = report
+    (row,) = [r for r in doc["summary"] if r["depth"] == "auto"]
+    runs = [r for r in doc["runs"] if r.get("depth") == "auto" and not r["warmup"]]
+    chosen: dict[str, int] = {}
+    for r in runs:
+        for drafted, _ in r["rounds"]:
+            chosen[str(drafted)] = chosen.get(str(drafted), 0) + 1
+    assert row["depths_used"] == chosen and set(chosen) <= {"0", "1", "2"}
+    (pred,) = [p for p in doc["predictions"]["rows"] if p["depth"] == "auto"]
+    assert pred["best_depth"] in (0, 1, 2)
+    plain = [p for p in doc["predictions"]["rows"] if p["depth"] != "auto"]
+    assert all("best_depth" not in p for p in plain)
 
 
 def test_acceptance_by_position_counted_by_hand():
@@ -215,3 +233,6 @@ def test_collect_over_adb_says_what_is_missing(tmp_path, capsys, monkeypatch):
 def test_bench_refuses_a_depth_the_bundle_lacks(bundle, capsys):
     assert main(["bench", "--bundle", str(bundle), "--mtp", "0,5", "--device", "none"]) == 1
     assert "verifies at most 2 drafts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--bundle", str(bundle), "--mtp", "0,x", "--device", "none"])
+    assert "give draft depths like 0,1,2,3" in capsys.readouterr().err
