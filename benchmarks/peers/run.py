@@ -1,7 +1,7 @@
 """edgemtp against its peers on one checkpoint, on this machine, in one run.
 
     python benchmarks/peers/run.py [--work DIR] [--repeats 5] [--threads 2]
-        [--systems llama.cpp edgemtp executorch-example transformers]
+        [--systems llama.cpp edgemtp executorch-example transformers] [--report-only]
 
 From a fresh clone (the venv of the README's test command):
 1. `edgemtp synth --preset peer-90m` (BRIEF §10's "PEER-90M", random weights, bf16), with a
@@ -68,7 +68,8 @@ def run(cmd: list[str], stream: bool = False) -> str:
         if subprocess.run(cmd, stdout=sys.stderr).returncode:
             sys.exit(f"failed: {' '.join(cmd)}")
         return ""
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    # llama.cpp's tools print token pieces, which need not be valid UTF-8
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
     if done.returncode:
         sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-4000:]}")
     return done.stdout
@@ -342,6 +343,23 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, floa
     return {s: {k: statistics.median(r[k] for r in rs) for k in KEYS} for s, rs in runs.items()}
 
 
+def paired_ratios(result: dict, a: str, b: str, key: str) -> list[float]:
+    """a / b within each repeat (the systems of a repeat run back to back): a ratio that a
+    slow minute of this shared machine moves less than it moves a ratio of medians."""
+    runs = result["runs"]
+    return [x[key] / y[key] for x, y in zip(runs[a], runs[b], strict=True)]
+
+
+def _paired(result: dict, a: str, b: str, keys: list[str]) -> str:
+    parts = []
+    for key in keys:
+        ratios = paired_ratios(result, a, b, key)
+        parts.append(
+            f"{key} {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        )
+    return ", ".join(parts)
+
+
 def report(result: dict) -> str:
     med = result["medians"]
     lines = [
@@ -365,10 +383,17 @@ def report(result: dict) -> str:
             f"edgemtp / llama.cpp: pp512 {a['pp512'] / b['pp512']:.2f}x, "
             f"pp2048 {a['pp2048'] / b['pp2048']:.2f}x, tg128 {a['tg128'] / b['tg128']:.2f}x; "
             f"edgemtp decode @1800 / @16: {a['ms_at_1800'] / a['ms_at_16']:.2f}",
+            "",
+            "Per repeat, then the median (range): edgemtp / llama.cpp "
+            + _paired(result, "edgemtp", "llama.cpp", ["pp512", "pp2048", "tg128"]),
         ]
     if "executorch-example" in med and "edgemtp" in med:
         ratio = med["edgemtp"]["tg128"] / med["executorch-example"]["tg128"]
         lines.append(f"\nedgemtp / ExecuTorch's example: tg128 {ratio:.2f}x")
+        lines.append(
+            "\nPer repeat, then the median (range): edgemtp / ExecuTorch's example "
+            + _paired(result, "edgemtp", "executorch-example", ["tg128"])
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -411,7 +436,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # SYSTEM PATH: one run
+    parser.add_argument(
+        "--report-only", action="store_true", help="redraw peers.md/png from peers.json"
+    )
     args = parser.parse_args()
+    if args.report_only:
+        result = json.loads((RESULTS / "peers.json").read_text())
+        (RESULTS / "peers.md").write_text(report(result))
+        plot(result, RESULTS / "peers.png")
+        print(report(result))
+        return
     if args.child:
         system, path = args.child
         print(json.dumps(CHILDREN[system](Path(path), args.threads)))
