@@ -37,8 +37,10 @@ AdaptiveDepth::AdaptiveDepth(const Shapes& shapes)
                     [shapes](int k) { return shapes.verify_method(k, std::nullopt).method; }) {}
 
 double AdaptiveDepth::acceptance(int i) const {
+  // runtime.adaptive: draft 1 starts from the prior, draft i > 1 from draft i - 1's estimate
   const auto at = static_cast<std::size_t>(i);
-  return (accepts_.at(at) + prior_accept_) / (trials_.at(at) + prior_trials_);
+  const double pseudo = i == 1 ? prior_accept_ : acceptance(i - 1) * prior_trials_;
+  return (accepts_.at(at) + pseudo) / (trials_.at(at) + prior_trials_);
 }
 
 double AdaptiveDepth::expected_tokens(int k) const {

@@ -1,7 +1,7 @@
 // Adaptive draft depth: runtime/adaptive.py's AdaptiveDepth as a DepthPolicy. Each round it
 // picks the depth k that maximises expected committed tokens per second, E_k / T_k:
 //   E_k = 1 + sum_{j<=k} prod_{i<=j} a_i, a_i the decayed acceptance of draft i given the ones
-//         before it were accepted (with a prior);
+//         before it were accepted (with a prior: draft 1's, then each draft i - 1's estimate);
 //   T_k = k * (one draft step) + (the verify part of a round of k drafts),
 // each cost the fastest of the last kHistory rounds (per verify method for the verify part).
 // It starts with the rounds of kWarmup (1, 0, 1, 0), then chooses; a depth whose verify method
