@@ -320,6 +320,25 @@ def test_adaptive_depth_maximises_expected_tokens_per_second():
     assert abs(policy.acceptance(1) - 0.6) < 0.05
 
 
+def test_adaptive_acceptance_prior_of_a_deeper_draft_is_the_one_before_it():
+    """Counted by hand: 0.5 of one trial for draft 1; for draft i > 1, draft i - 1's estimate
+    of one trial, so an unmeasured deeper draft is never assumed worse than the one before."""
+    policy = AdaptiveDepth(3, lambda k: f"rows_{k + 1}", decay=1.0)
+    policy.observe(_step(2, 1, 0.002, 0.012))  # draft 1 accepted, draft 2 checked and rejected
+    assert policy.acceptance(1) == (1 + 0.5) / (1 + 1)
+    assert policy.acceptance(2) == (0 + 0.75) / (1 + 1)
+    assert policy.acceptance(3) == 0.375  # never checked: draft 2's estimate
+    # The demo pair's costs on this host (verify_3 1.65 AR steps, a draft 0.375) after a warm-up
+    # whose two first drafts were accepted (a_1 about 5/6): depth 3 expects about 3.1 tokens in
+    # 27.75 ms, AR 1 in 10. With a flat 0.5 prior for drafts 2 and 3 it expected 2.46: AR won,
+    # and the deeper drafts were never measured.
+    policy = AdaptiveDepth(3, lambda k: "verify_0" if k == 0 else "verify_3")
+    for k in (1, 0, 1, 0):
+        assert policy.choose(3) == k
+        policy.observe(_step(k, k, 0.00375, 0.0165 if k else 0.010))
+    assert policy.choose(3) == 3
+
+
 def test_auto_with_a_drafter_that_never_agrees_settles_on_ar(pair):
     """The tiny random drafter agrees with the random target ~1/512 of the time: auto mode
     must produce the AR tokens and spend almost no time drafting.

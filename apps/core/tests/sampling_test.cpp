@@ -235,12 +235,13 @@ void test_adaptive() {
     CHECK_EQ(policy.choose(0), 0);
   }
 
-  // Acceptance counts by position, with the prior (0.5 of 1 trial).
+  // Acceptance counts by position, with the prior: 0.5 of 1 trial for draft 1, draft i - 1's
+  // estimate of 1 trial for a deeper one.
   edgemtp::AdaptiveDepth counts(3, [](int k) { return "rows_" + std::to_string(k + 1); }, 1.0);
   counts.observe(round_of(2, 1, 0.004, 0.012));  // draft 1 accepted, draft 2 checked
-  CHECK_EQ(counts.acceptance(1), 0.75);
-  CHECK_EQ(counts.acceptance(2), 0.25);
-  CHECK_EQ(counts.acceptance(3), 0.5);
+  CHECK_EQ(counts.acceptance(1), 0.75);   // (1 + 0.5) / (1 + 1)
+  CHECK_EQ(counts.acceptance(2), 0.375);  // (0 + 0.75) / (1 + 1)
+  CHECK_EQ(counts.acceptance(3), 0.375);  // (0 + 0.375) / (0 + 1): never checked
   // Costs: a draft step 2 ms; depth 3's verify (unmeasured) borrows the nearest, rows_3.
   CHECK_EQ(*counts.verify_cost(2), 0.012);
   CHECK_EQ(*counts.verify_cost(3), 0.012);
