@@ -72,12 +72,19 @@ class AdaptiveDepth:
         until it is measured. With a flat 0.5 prior, a pair whose first draft is accepted 84 %
         of the time never tried depth 3 on a compute-bound host (its padded verify lost at
         0.5 x 0.5 x 0.5), though the acceptance it has puts depth 3 at 1.09x AR."""
+        return self.acceptances(i)[-1]
+
+    def acceptances(self, k: int) -> list[float]:
+        """`acceptance(i)` for drafts 1..k, each prior computed once."""
         a, t = self.prior
-        pseudo = a if i == 1 else self.acceptance(i - 1) * t
-        return (self.accepts[i] + pseudo) / (self.trials[i] + t)
+        out: list[float] = []
+        for i in range(1, k + 1):
+            pseudo = a if i == 1 else out[-1] * t
+            out.append((self.accepts[i] + pseudo) / (self.trials[i] + t))
+        return out
 
     def expected_tokens(self, k: int) -> float:
-        return expected_committed(self.acceptance(i) for i in range(1, k + 1))
+        return expected_committed(self.acceptances(k))
 
     def _cost(self, samples: deque[float]) -> float:
         # The fastest recent round: other load on the machine and a method's one-off set-up on
@@ -139,9 +146,7 @@ class AdaptiveDepth:
     def summary(self) -> dict[str, object]:
         """What the policy believes now: acceptance by draft position, costs, expected rates."""
         return {
-            "acceptance_by_position": [
-                round(self.acceptance(i), 4) for i in range(1, self.max_depth + 1)
-            ],
+            "acceptance_by_position": [round(a, 4) for a in self.acceptances(self.max_depth)],
             "draft_step_ms": 1000 * self._cost(self.draft_s) if self.draft_s else None,
             "verify_ms": {s: 1000 * self._cost(v) for s, v in sorted(self.verify_s.items())},
             "expected_tok_s": {str(k): round(r, 2) for k, r in self.last_estimate.items()},

@@ -429,6 +429,14 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_results(result: dict) -> None:
+    """peers.md and peers.png from a result, and the table on screen."""
+    text = report(result)
+    (RESULTS / "peers.md").write_text(text)
+    plot(result, RESULTS / "peers.png")
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/edgemtp-peers"))
@@ -441,10 +449,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.report_only:
-        result = json.loads((RESULTS / "peers.json").read_text())
-        (RESULTS / "peers.md").write_text(report(result))
-        plot(result, RESULTS / "peers.png")
-        print(report(result))
+        write_results(json.loads((RESULTS / "peers.json").read_text()))
         return
     if args.child:
         system, path = args.child
@@ -468,10 +473,7 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "peers.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = report(result)
-    (RESULTS / "peers.md").write_text(text)
-    plot(result, RESULTS / "peers.png")
-    print(text)
+    write_results(result)
 
 
 if __name__ == "__main__":

@@ -36,18 +36,20 @@ AdaptiveDepth::AdaptiveDepth(const Shapes& shapes)
     : AdaptiveDepth(shapes.max_draft,
                     [shapes](int k) { return shapes.verify_method(k, std::nullopt).method; }) {}
 
-double AdaptiveDepth::acceptance(int i) const {
-  // runtime.adaptive: draft 1 starts from the prior, draft i > 1 from draft i - 1's estimate
-  const auto at = static_cast<std::size_t>(i);
-  const double pseudo = i == 1 ? prior_accept_ : acceptance(i - 1) * prior_trials_;
-  return (accepts_.at(at) + pseudo) / (trials_.at(at) + prior_trials_);
+double AdaptiveDepth::acceptance(int i) const { return acceptances(i).back(); }
+
+// runtime.adaptive: draft 1 starts from the prior, draft i > 1 from draft i - 1's estimate
+std::vector<double> AdaptiveDepth::acceptances(int k) const {
+  std::vector<double> out;
+  for (int i = 1; i <= k; ++i) {
+    const auto at = static_cast<std::size_t>(i);
+    const double pseudo = i == 1 ? prior_accept_ : out.back() * prior_trials_;
+    out.push_back((accepts_.at(at) + pseudo) / (trials_.at(at) + prior_trials_));
+  }
+  return out;
 }
 
-double AdaptiveDepth::expected_tokens(int k) const {
-  std::vector<double> acceptance_by_position;
-  for (int i = 1; i <= k; ++i) acceptance_by_position.push_back(acceptance(i));
-  return expected_committed(acceptance_by_position);
-}
+double AdaptiveDepth::expected_tokens(int k) const { return expected_committed(acceptances(k)); }
 
 // The fastest recent round: other load on the machine and a method's one-off set-up on its
 // first call only ever add time.

@@ -44,6 +44,7 @@ class AdaptiveDepth : public DepthPolicy {
 
   // Probability that draft i (1-based) is accepted, given the drafts before it were.
   double acceptance(int i) const;
+  std::vector<double> acceptances(int k) const;  // acceptance(i) for drafts 1..k
   double expected_tokens(int k) const;
   // Seconds of a round's verify part at depth k, measured or from the nearest measured shape.
   std::optional<double> verify_cost(int k) const;
