@@ -459,9 +459,10 @@ def result_document(
 def predict(
     bundle: Path, device: str, delegate: str, plan: BenchPlan, runs: Sequence[dict]
 ) -> dict[str, Any]:
-    """The simulator's tok/s for each summary row: prefill for pp rows; decode for tg rows at the
-    acceptance per position that row measured. For an auto row: the simulator's best depth at
-    that acceptance (what a perfect depth choice would give), named in `best_depth`."""
+    """The simulator's tok/s for each summary row: prefill for pp rows; for tg rows the median
+    over the row's runs of the decode speed at the acceptance per position each run had. For
+    an auto row: the simulator's best depth at that acceptance (what a perfect depth choice
+    would give; the median run's named in `best_depth`)."""
     from edgemtp.devices.profiles import load_profile
     from edgemtp.devices.simulator import (
         Acceptance,
@@ -480,16 +481,21 @@ def predict(
             prediction = simulate(model, profile, delegate, (0,), Acceptance((), "AR"), n, 1)
             tok_s = prediction.prefill_tok_s
         else:
-            # the acceptance these very rounds had (an oracle's included): the simulator
-            # predicts speed at a given acceptance, it does not predict acceptance
-            rounds = [rd for r in _timed(runs, row["test"], depth) for rd in r["rounds"]]
-            source = f"measured in this bench: {row['test']} depth {depth}"
-            acceptance = acceptance_from_rounds(rounds, source)
+            # each run at the acceptance its own rounds had (an oracle's included), and the
+            # median over runs, as the measured row: the simulator predicts speed at a given
+            # acceptance, it does not predict acceptance. (Pooling the rounds instead predicts
+            # the speed at the mean acceptance, above the median run's when prompts differ.)
             candidates = tuple(range(model.max_draft + 1)) if depth == AUTO else (depth,)
-            prediction = simulate(
-                model, profile, delegate, candidates, acceptance, plan.tg_prompt, n
-            )
-            tok_s = prediction.decode_tok_s[prediction.best_depth]
+            per_run = []
+            for r in _timed(runs, row["test"], depth) or [{"rounds": []}]:
+                source = f"measured in this bench: {row['test']} depth {depth}"
+                acceptance = acceptance_from_rounds(r["rounds"], source)
+                prediction = simulate(
+                    model, profile, delegate, candidates, acceptance, plan.tg_prompt, n
+                )
+                per_run.append((prediction.decode_tok_s[prediction.best_depth], prediction))
+            tok_s = statistics.median(t for t, _ in per_run)
+            prediction = sorted(per_run, key=lambda p: p[0])[(len(per_run) - 1) // 2][1]
         assumptions = prediction.assumptions
         measured_tok_s = row["tok_s_median"]
         predicted.append(

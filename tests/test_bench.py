@@ -147,6 +147,32 @@ def test_each_row_has_the_simulators_prediction(report, capsys):
         assert p["error"] == pytest.approx(p["tok_s"] / row["tok_s_median"] - 1)
 
 
+def test_decode_prediction_is_the_median_over_runs_at_each_runs_acceptance(report, bundle, profile):
+    # The row's measured speed is the median run's, so the prediction is the median of each run
+    # predicted at its own acceptance. Here one run accepts every draft in 10 rounds and the
+    # other none in 30: each alone commits 3 and 1 tokens per round (median of two: 2); pooling
+    # the 40 rounds would predict 1 + 1/4 + 1/4 = 1.5.
+    from edgemtp.devices.profiles import load_profile
+    from edgemtp.devices.simulator import Acceptance, model_from_bundle, simulate
+    from edgemtp.runtime.bench import predict
+
+    _, doc = report
+    runs = [dict(r) for r in doc["runs"]]
+    timed = [r for r in runs if r.get("depth") == 2 and r["test"] == f"tg{TG}" and not r["warmup"]]
+    timed[0]["rounds"], timed[1]["rounds"] = [[2, 2]] * 10, [[2, 0]] * 30
+    plan = BenchPlan(pp=(), tg=(TG,), depths=(0, 1, 2), repeat=REPEAT)
+    rows = predict(bundle, str(profile), "cpu", plan, runs)["rows"]
+    (mine,) = [p["tok_s"] for p in rows if p["test"] == f"tg{TG}" and p["depth"] == 2]
+    model, device = model_from_bundle(bundle), load_profile(str(profile))
+    each = [
+        simulate(model, device, "cpu", (2,), Acceptance(rates, "by hand"), 32, TG).decode_tok_s[2]
+        for rates in ((1.0, 1.0), (0.0, 0.0))
+    ]
+    assert mine == pytest.approx(statistics.median(each))
+    pooled = simulate(model, device, "cpu", (2,), Acceptance((0.25, 1.0), "pooled"), 32, TG)
+    assert mine > 1.2 * pooled.decode_tok_s[2]
+
+
 def test_auto_row_reports_the_depths_the_policy_chose(report):
     _, doc = report
     (row,) = [r for r in doc["summary"] if r["depth"] == "auto"]
