@@ -11,6 +11,8 @@ What is measured (each a median of several runs, with the threads the runtime wo
 - the same linear on four rows (a verify's), where kernels may take another path;
 - ONNX Runtime apart (`[delegates.cpu.backends.onnx]`): its MatMulNBits as ONNX cpu bundles
   export it (int8 activations) on one, four and 256 rows, its cost per node and per call;
+- attention as the bundles compute it (XNNPACK and ONNX Runtime): its matmuls' FLOP rate, the
+  time per attention score beyond them (mask, softmax, copies) and the rate K/V stream at;
 - edgemtp's own host time per program call and per logit (decoding beside a stand-in program);
 - power: RAPL, where readable, while idle and while the fp32 GEMM runs; elsewhere the profile
   says it is an estimate and why.
@@ -24,7 +26,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,7 @@ def _median_seconds(run: Callable[[], object], repeat: int) -> list[float]:
     return times
 
 
-def _xnnpack_program(module: torch.nn.Module, x: torch.Tensor) -> Any:
+def _xnnpack_program(module: torch.nn.Module, *inputs: torch.Tensor) -> Any:
     """`module` lowered to XNNPACK as export lowers the bundles, loaded for this process."""
     from executorch.extension.pybindings import portable_lib
 
@@ -58,7 +60,9 @@ def _xnnpack_program(module: torch.nn.Module, x: torch.Tensor) -> Any:
         xnnpack_partitioner,
     )
 
-    edge = lower_programs({"forward": export_method(module, (x,))}, lambda: [xnnpack_partitioner()])
+    edge = lower_programs(
+        {"forward": export_method(module, inputs)}, lambda: [xnnpack_partitioner()]
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "calibrate.pte"
         path.write_bytes(edge.to_executorch(backend_config()).buffer)
@@ -127,6 +131,75 @@ def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, floa
     return (per_call[201] - per_call[1]) / 200 * 1e6, per_call[1] * 1e6
 
 
+class SegmentAttention(torch.nn.Module):
+    """Attention as the exported methods compute it (`ExportAttention`, one KV head): scores
+    against the cache and the call's own rows apart, the additive mask, softmax, and each
+    segment's probabilities times its values."""
+
+    def forward(self, q, k_cache, k_rows, v_cache, v_rows, mask):  # type: ignore[no-untyped-def]
+        t = mask.shape[0]
+        scores = torch.cat([torch.bmm(q, k.transpose(1, 2)) for k in (k_cache, k_rows)], -1)
+        scores = scores.view(1, -1, t, scores.shape[-1]) + mask
+        probs = torch.softmax(scores, dim=-1).view(1, q.shape[1], -1)
+        s = k_cache.shape[1]
+        return torch.bmm(probs[..., :s], v_cache) + torch.bmm(probs[..., s:], v_rows)
+
+
+# (heads, rows, cache keys, head dim): two prefill chunks over a short cache, alike but for the
+# head dim (score-bound: their difference is the matmuls' FLOP rate), and a decode step over a
+# long cache (K/V-bound)
+ATTENTION_SHAPES = ((8, 64, 1024, 32), (8, 64, 1024, 128), (8, 1, 4096, 256))
+ATTENTION_QUICK = ((2, 16, 128, 16), (2, 16, 128, 64), (2, 1, 512, 64))
+
+
+def attention_inputs(heads: int, rows: int, keys: int, dim: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads * rows, dim, generator=g)
+    cache = [torch.randn(1, n, dim, generator=g) for n in (keys, rows, keys, rows)]
+    return (q, cache[0], cache[1], cache[2], cache[3], torch.zeros(rows, keys + rows))
+
+
+def attention_rates(
+    make: Callable[[tuple[torch.Tensor, ...]], Callable[[], object]], quick: bool = False
+) -> tuple[float, float, float]:
+    """(TFLOPS of the matmuls, ns per score, GB/s the K/V stream at) of a runtime's attention,
+    from `make(inputs)` (a call of `SegmentAttention` on those inputs) timed on the three
+    `ATTENTION_SHAPES`, interleaved (median of each)."""
+    shapes = ATTENTION_QUICK if quick else ATTENTION_SHAPES
+    calls = [make(attention_inputs(*shape)) for shape in shapes]
+    times: list[list[float]] = [[] for _ in shapes]
+    for _ in range(5 if quick else 25):
+        for call, out in zip(calls, times, strict=True):
+            out += _median_seconds(call, 1)[:1]
+    return fit_attention(shapes, [statistics.median(t) for t in times])
+
+
+def fit_attention(
+    shapes: Sequence[tuple[int, int, int, int]], seconds: Sequence[float]
+) -> tuple[float, float, float]:
+    """The attention model `devices.simulator.call_terms` prices, solved for its three rates:
+    the two score-bound shapes differ only in FLOPs, which gives the matmuls' rate; the rest of
+    the first is its scores' time; what the K/V-bound third takes beyond its scores streams
+    its K/V (fixed call costs are ignored: each shape takes a millisecond or more)."""
+    scores = [h * r * (k + r) for h, r, k, _ in shapes]
+    flops = [4 * n * d for n, (*_, d) in zip(scores, shapes, strict=True)]
+    tops = (flops[1] - flops[0]) / max(seconds[1] - seconds[0], 1e-9) / 1e12
+    ns_per_score = max(seconds[0] - flops[0] / (tops * 1e12), 1e-12 * scores[0]) / scores[0] * 1e9
+    _, rows, keys, dim = shapes[2]
+    streaming = max(seconds[2] - scores[2] * ns_per_score * 1e-9, flops[2] / (tops * 1e12))
+    return tops, ns_per_score, 2 * (keys + rows) * dim * 4 / streaming / 1e9
+
+
+def executorch_attention(quick: bool = False) -> tuple[float, float, float]:
+    """`attention_rates` of XNNPACK: `SegmentAttention` lowered as the bundles are."""
+
+    def make(inputs: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+        program = _xnnpack_program(SegmentAttention(), *inputs)
+        return lambda: program.forward(inputs)
+
+    return attention_rates(make, quick)
+
+
 # --- ONNX Runtime: the kernels an ONNX bundle's CPU methods run -----------------------------------
 
 
@@ -172,6 +245,58 @@ def _nbits_linear(k: int, n: int, rows: int, threads: int) -> tuple[Any, float]:
         [onnx.numpy_helper.from_array(codes, "B"), onnx.numpy_helper.from_array(scales, "scales")],
     )  # fmt: skip
     return _ort_session(graph, threads), codes.nbytes + scales.nbytes
+
+
+def onnx_attention(threads: int, quick: bool = False) -> tuple[float, float, float]:
+    """`attention_rates` of ONNX Runtime: `SegmentAttention` as the ONNX exporter writes it
+    (MatMul against each segment's transposed keys, Concat, the additive mask, Softmax, Slice
+    and MatMul per segment, summed)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    names = ("q", "k_cache", "k_rows", "v_cache", "v_rows", "mask")
+
+    def graph(heads: int, rows: int, keys: int, dim: int) -> Any:
+        def tensor(name: str, shape: list[int]) -> Any:
+            return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+        def ints(name: str, values: list[int]) -> Any:
+            return helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+
+        node = helper.make_node
+        nodes = [
+            node("Transpose", ["k_cache"], ["kt_cache"], perm=[0, 2, 1]),
+            node("Transpose", ["k_rows"], ["kt_rows"], perm=[0, 2, 1]),
+            node("MatMul", ["q", "kt_cache"], ["s_cache"]),
+            node("MatMul", ["q", "kt_rows"], ["s_rows"]),
+            node("Concat", ["s_cache", "s_rows"], ["s"], axis=-1),
+            node("Reshape", ["s", "by_head"], ["s4"]),
+            node("Add", ["s4", "mask"], ["masked"]),
+            node("Softmax", ["masked"], ["p4"], axis=-1),
+            node("Reshape", ["p4", "flat"], ["p"]),
+            node("Slice", ["p", "zero", "keys", "last"], ["p_cache"]),
+            node("Slice", ["p", "keys", "end", "last"], ["p_rows"]),
+            node("MatMul", ["p_cache", "v_cache"], ["o_cache"]),
+            node("MatMul", ["p_rows", "v_rows"], ["o_rows"]),
+            node("Add", ["o_cache", "o_rows"], ["out"]),
+        ]
+        consts = [ints("by_head", [1, heads, rows, keys + rows]),
+                  ints("flat", [1, heads * rows, keys + rows]), ints("zero", [0]),
+                  ints("keys", [keys]), ints("end", [keys + rows]), ints("last", [2])]  # fmt: skip
+        shapes = ([1, heads * rows, dim], [1, keys, dim], [1, rows, dim], [1, keys, dim],
+                  [1, rows, dim], [rows, keys + rows])  # fmt: skip
+        inputs = [tensor(n, shape) for n, shape in zip(names, shapes, strict=True)]
+        out = [tensor("out", [1, heads * rows, dim])]
+        return helper.make_graph(nodes, "attention", inputs, out, consts)
+
+    def make(inputs: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+        heads_rows, dim = inputs[0].shape[1:]
+        rows, keys = inputs[5].shape[0], inputs[1].shape[1]
+        session = _ort_session(graph(heads_rows // rows, rows, keys, dim), threads)
+        feed = {n: np.ascontiguousarray(x.numpy()) for n, x in zip(names, inputs, strict=True)}
+        return lambda: session.run(None, feed)
+
+    return attention_rates(make, quick)
 
 
 def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
@@ -336,6 +461,21 @@ def host_costs(quick: bool = False) -> tuple[float, float]:
     return per_call_us, ns_per_logit
 
 
+def _attention_lines(rates: tuple[float, float, float], src: str, runtime: str) -> list[str]:
+    tops, ns_per_score, bandwidth = rates
+    shapes = ", ".join("x".join(map(str, s)) for s in ATTENTION_SHAPES)
+    how = (f"{runtime} running attention as the bundles export it (SegmentAttention), timed "
+           f"interleaved on (heads x rows x cache keys x head dim) {shapes}")  # fmt: skip
+    return [
+        "attention_tops = "
+        + _entry(tops, src, f"{how}: FLOPs between the first two / their time difference"),
+        "ns_per_score = "
+        + _entry(ns_per_score, src, f"{how}: the first's time beyond its FLOPs, per score"),
+        "attention_bandwidth_gbs = "
+        + _entry(bandwidth, src, f"{how}: K/V bytes of the third / its time beyond its scores"),
+    ]
+
+
 def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     """Measure this machine; its profile as TOML text (`quick`: small sizes, for tests)."""
     when = time.strftime("%Y-%m-%d")
@@ -356,6 +496,9 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     per_op, per_call = executorch_dispatch_us(threads, 50 if quick else 2000)
     say("ONNX Runtime's kernels (MatMulNBits, per-node dispatch)")
     ort = onnx_kernels(threads, quick)
+    say("attention (masked softmax between batched matmuls), XNNPACK and ONNX Runtime")
+    attention = executorch_attention(quick)
+    ort_attention = onnx_attention(threads, quick)
     say("edgemtp's host side (decoding beside a stand-in program)")
     host_call_us, host_ns_per_logit = host_costs(quick)
     say("power")
@@ -433,6 +576,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         + _entry(host_ns_per_logit, src, "numpy argmax over a 262144-logit row, best median"),
         "call_us = "
         + _entry(max(per_call - per_op, 0.0), src, "ExecuTorch program call less its one operator"),
+        *_attention_lines(attention, src, "XNNPACK"),
         f"active_w = {active}",
         "",
         "[delegates.cpu.peak_tops]",
@@ -461,6 +605,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
                  "64x64 MatMul nodes on one row, (t201 - t1) / 200"),
         "call_us = "
         + _entry(ort["call_us"], src, "ONNX Runtime session.run of one node, less the node"),
+        *_attention_lines(ort_attention, src, "ONNX Runtime"),
         "",
         "[delegates.cpu.backends.onnx.peak_tops]",
         "int8 = "

@@ -37,9 +37,15 @@ What the fields mean (the simulator relies on these definitions):
   - `call_us` (optional): fixed cost of one program call, beside its launches.
   - `verify_bandwidth_gbs` (optional): the rate 4-bit weights stream at through a linear on a
     few rows (2-16, a verify's), where a kernel takes another path than for one row.
+  - `attention_tops`, `attention_bandwidth_gbs`, `ns_per_score` (optional): how the unit's
+    attention kernels run: the FLOP rate of its batched matmuls (activations x activations),
+    the rate K/V stream through them (which may repack them every call), and the time per
+    attention score (per head, row and key) its mask, softmax and the copies between them
+    take. Absent: the activation dtype's peak, `memory_bandwidth_gbs`, and scores for free.
   - `[delegates.X.backends.Y]` (optional): `memory_bandwidth_gbs`, `dispatch_us`, `call_us`,
-    `host_*` and `peak_tops` as the kernels of backend Y (executorch, onnx, coreml) run on this
-    unit, where they were measured apart; a bundle of backend Y is priced with them.
+    `host_*`, the attention numbers and `peak_tops` as the kernels of backend Y (executorch,
+    onnx, coreml) run on this unit, where they were measured apart; a bundle of backend Y is
+    priced with them.
   - `host_call_us`, `host_ns_per_logit` (optional): the runtime host's own time around each
     program call (gathering table rows, building inputs, the decode loop) and per logit it
     chooses a token from. Measured for edgemtp's Python host by `devices calibrate`; absent,
@@ -70,13 +76,13 @@ _TOP_NUMBERS = ("ram_gb", "idle_w")
 _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispatch_us", "active_w")
 _DELEGATE_OPTIONAL_NUMBERS = (
     "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "call_us",
-    "verify_bandwidth_gbs",
+    "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
 )  # fmt: skip
 BACKENDS = ("executorch", "onnx", "coreml")
 # what a [delegates.X.backends.Y] section may replace for bundles of backend Y
 _BACKEND_NUMBERS = (
     "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
-    "host_ns_per_logit",
+    "host_ns_per_logit", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
 )  # fmt: skip
 _FIX = "see the field conventions at the top of devices/profiles.py"
 
@@ -98,6 +104,9 @@ class DelegateProfile:
     host_ns_per_logit: float | None = None
     call_us: float | None = None
     verify_bandwidth_gbs: float | None = None
+    attention_tops: float | None = None
+    attention_bandwidth_gbs: float | None = None
+    ns_per_score: float | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def for_backend(self, backend: str | None) -> DelegateProfile:
@@ -303,6 +312,9 @@ class _Parser:
             host_ns_per_logit=optional.get("host_ns_per_logit"),
             call_us=optional.get("call_us"),
             verify_bandwidth_gbs=optional.get("verify_bandwidth_gbs"),
+            attention_tops=optional.get("attention_tops"),
+            attention_bandwidth_gbs=optional.get("attention_bandwidth_gbs"),
+            ns_per_score=optional.get("ns_per_score"),
             backends=self.backends(table.get("backends", {}), prefix),
         )
 

@@ -1,15 +1,19 @@
 """The host-side simulator: speed, energy and memory of a bundle (or a preset) on a device
 profile, from first principles.
 
-Each program call is priced as a roofline plus dispatch, plus the runtime host's own time:
+Each program call is priced as the rooflines of its linears and its attention, plus dispatch,
+plus the runtime host's own time:
 
-    seconds = max(bytes / sustained bandwidth, FLOPs / peak throughput of the compute dtype)
+    seconds = max(weight bytes / sustained bandwidth, linear FLOPs / peak of the compute dtype)
+              + max(K/V bytes / attention bandwidth, attention FLOPs / peak of the activations)
+              + attention scores x time per score
               + launches x dispatch cost + host cost per call
 
-with the bytes and FLOPs of that very call (`model.cost`: every weight read once per call, the
-K/V each row reads, matmul FLOPs), its launches (the operators a method dispatches, counted
-from the bundle's program, on a "kernel" delegate; one per call on a "graph" delegate) and,
-where the profile measured it, the host's cost per call and per logit it picks a token from.
+with the bytes, FLOPs and scores of that very call (`model.cost`: every weight read once per
+call, the K/V each row reads, matmul FLOPs, one score per head, row and key), its launches
+(the operators a method dispatches, counted from the bundle's program, on a "kernel" delegate;
+one per call on a "graph" delegate) and, where the profile measured it, the host's cost per
+call and per logit it picks a token from.
 Prefill runs chunk by chunk with the KV-shared layers pruned from every chunk but the last (as
 the exported methods do). A decode round at depth k costs k drafter steps plus one verify of
 k + 1 rows and commits E_k tokens on average, E_k = 1 + sum_{j<=k} prod_{i<=j} a_i, from
@@ -181,8 +185,9 @@ def compute_dtype(unit: DelegateProfile, delegate: str, quant: str) -> str:
 
 @dataclass(frozen=True)
 class Terms:
-    """Where predicted time goes, over one or more calls: each call costs
-    max(memory, compute) + dispatch + host, summed in `seconds`."""
+    """Where predicted time goes, over one or more calls: each call costs the roofline of its
+    linears and of its attention (each max(memory, compute)), its attention scores, dispatch
+    and host, summed in `seconds`."""
 
     seconds: float = 0.0
     memory_s: float = 0.0
@@ -192,28 +197,34 @@ class Terms:
     bytes: float = 0.0
     flops: float = 0.0
     launches: int = 0
+    scores_s: float = 0.0
 
     def __add__(self, other: Terms) -> Terms:
         return Terms(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 def call_terms(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> Terms:
-    """Roofline plus dispatch for one program call; attention runs in the activation dtype."""
+    """One program call as its kernels run, one after another: the linears' roofline (weights
+    streamed, or FLOPs in the compute dtype), the attention's (K/V streamed, or FLOPs in the
+    activation dtype) plus its scores' time, and dispatch."""
     bandwidth = unit.memory_bandwidth_gbs
     if unit.verify_bandwidth_gbs and 2 <= work.rows <= VERIFY_ROWS:
         bandwidth = unit.verify_bandwidth_gbs
-    memory = work.weight_bytes / (bandwidth * 1e9) + work.cache_bytes / (
-        unit.memory_bandwidth_gbs * 1e9
-    )
-    attention = ACTIVATION_DTYPE.get(unit.name, "fp16")
-    if attention not in unit.peak_tops:
-        attention = max(unit.peak_tops, key=unit.peak_tops.__getitem__)
-    compute = (work.flops - work.attention_flops) / (unit.peak_tops[dtype] * 1e12)
-    compute += work.attention_flops / (unit.peak_tops[attention] * 1e12)
+    weights = work.weight_bytes / (bandwidth * 1e9)
+    kv_bandwidth = unit.attention_bandwidth_gbs or unit.memory_bandwidth_gbs
+    kv = work.cache_bytes / (kv_bandwidth * 1e9)
+    attention_dtype = ACTIVATION_DTYPE.get(unit.name, "fp16")
+    if attention_dtype not in unit.peak_tops:
+        attention_dtype = max(unit.peak_tops, key=unit.peak_tops.__getitem__)
+    linear = (work.flops - work.attention_flops) / (unit.peak_tops[dtype] * 1e12)
+    attention_tops = unit.attention_tops or unit.peak_tops[attention_dtype]
+    attention = work.attention_flops / (attention_tops * 1e12)
+    scores = work.scores * (unit.ns_per_score or 0.0) * 1e-9
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
     dispatch = ((unit.call_us or 0.0) + dispatches * unit.dispatch_us) * 1e-6
-    return Terms(max(memory, compute) + dispatch, memory, compute, dispatch, 0.0, work.bytes,
-                 work.flops, dispatches)  # fmt: skip
+    seconds = max(weights, linear) + max(kv, attention) + scores + dispatch
+    return Terms(seconds, weights + kv, linear + attention, dispatch, 0.0, work.bytes, work.flops,
+                 dispatches, scores)  # fmt: skip
 
 
 def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> float:

@@ -34,14 +34,22 @@ def layer_flops(
     return per_row * len(positions) + attention_flops(cfg, spec, positions, keys)
 
 
+def attention_scores(
+    cfg: TextConfig, spec: LayerSpec, positions: range, keys: int | None = None
+) -> float:
+    """Attention scores (one per head, row and key read) of one layer: the elements its mask,
+    softmax and probabilities pass over between the two matmuls."""
+    total = (
+        sum(attended(spec, cfg, p) for p in positions) if keys is None else keys * len(positions)
+    )
+    return total * cfg.num_heads
+
+
 def attention_flops(
     cfg: TextConfig, spec: LayerSpec, positions: range, keys: int | None = None
 ) -> float:
     """The part of `layer_flops` between activations: QK^T and PV over the keys each row reads."""
-    total = (
-        sum(attended(spec, cfg, p) for p in positions) if keys is None else keys * len(positions)
-    )
-    return total * cfg.num_heads * spec.head_dim * 2 * 2
+    return attention_scores(cfg, spec, positions, keys) * spec.head_dim * 2 * 2
 
 
 def prefill_flops(cfg: TextConfig, length: int, chunk: int, prune: bool) -> float:
@@ -73,13 +81,15 @@ BITS_PER_WEIGHT = {"q4_0": 4.5, "w4a16": 4.0 + 16 / 128, "int8": 8.0, "fp16": 16
 class Work:
     """What one call of a method moves and computes: weight bytes read (once per call, however
     many rows), K/V bytes read, matmul FLOPs (of which `attention_flops` multiply activations
-    by activations, in the activation dtype), and how many rows it carries."""
+    by activations, in the activation dtype), attention scores (`attention_scores`), and how
+    many rows it carries."""
 
     flops: float = 0.0
     weight_bytes: float = 0.0
     cache_bytes: float = 0.0
     rows: int = 0
     attention_flops: float = 0.0
+    scores: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -88,6 +98,7 @@ class Work:
             self.cache_bytes + other.cache_bytes,
             max(self.rows, other.rows),
             self.attention_flops + other.attention_flops,
+            self.scores + other.scores,
         )
 
     @property
@@ -154,7 +165,8 @@ def forward_work(
         cache = kv_read_bytes(cfg, spec, rows, n, cache_itemsize)
         weights = layer_weights(cfg, spec) * bits / 8
         attention = attention_flops(cfg, spec, rows, keys)
-        work += Work(layer_flops(cfg, spec, rows, keys), weights, cache, 0, attention)
+        scores = attention_scores(cfg, spec, rows, keys)
+        work += Work(layer_flops(cfg, spec, rows, keys), weights, cache, 0, attention, scores)
     if cfg.hidden_size_per_layer_input:  # the per-layer input projection (model level)
         n = cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
         work += Work(2 * n * len(positions), n * bits / 8)
@@ -187,11 +199,12 @@ def draft_work(
         read = attended(spec, text, position) if keys is None else keys
         cache = 2 * read * store.num_kv_heads * store.head_dim * itemsize
         row = range(position, position + 1)
-        flops, attention = (
+        flops, attention, scores = (
             layer_flops(text, spec, row, keys),
             attention_flops(text, spec, row, keys),
+            attention_scores(text, spec, row, keys),
         )
-        work += Work(flops, layer_weights(text, spec) * bits / 8, cache, 0, attention)
+        work += Work(flops, layer_weights(text, spec) * bits / 8, cache, 0, attention, scores)
     h = text.hidden_size
     if not drafter.use_ordered_embeddings:
         rows = text.vocab_size

@@ -9,9 +9,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgemtp.cli import main
+from edgemtp.devices.calibrate import ATTENTION_SHAPES, fit_attention
 from edgemtp.devices.profiles import DelegateProfile, load_profile
 from edgemtp.devices.simulator import (
     call_seconds,
@@ -73,6 +75,39 @@ def test_method_flops_equal_torch_flop_counter(pair):
         assert _counted(module, inputs) == expected[name], name
 
 
+class _SoftmaxElements(TorchDispatchMode):
+    """Counts the elements every softmax of a call runs over: the attention scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.ops.aten._softmax.default, torch.ops.aten.softmax.int):
+            self.elements += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+def test_method_scores_equal_the_elements_softmax_runs_over(pair):
+    """Attention scores per call (head x row x key read) as the exported methods' softmaxes see
+    them, on the eager static methods (the drafter's head has a softmax-free top-k)."""
+    target, drafter = pair
+    bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
+    cfg, whole = target.cfg, static_cache_keys(bundle.cache.slots)
+    expected = {
+        "prefill_final": forward_work(cfg, range(8), 1, 1, 4.5, whole).scores,
+        "verify_3": forward_work(cfg, range(4), 4, 4, 4.5, whole).scores,
+        "draft_step": draft_work(drafter.cfg, cfg, 1, 4.5, whole).scores,
+    }
+    methods = bundle.methods()
+    for name, want in expected.items():
+        module, inputs = methods[name]
+        counter = _SoftmaxElements()
+        with torch.no_grad(), counter:
+            module(*inputs)
+        assert want > 0 and counter.elements == want, name
+
+
 def test_weights_per_call_equal_the_model_parameters(pair):
     """Weight bytes of a verify call = every linear of the loaded target (and the LM head) at the
     scheme's bits; a drafter step = the drafter's linears, its head rows as clustered."""
@@ -115,6 +150,28 @@ def test_call_seconds_is_roofline_plus_dispatch():
     assert call_seconds(compute_bound, unit, "fp32", 0) == pytest.approx(0.160)
     graph = _unit(dispatch_unit="graph", dispatch_us=300.0)  # one dispatch per call
     assert call_seconds(memory_bound, graph, "int8", 5000) == pytest.approx(0.010 + 300e-6)
+
+
+def test_attention_is_priced_after_the_linears_with_its_own_rates():
+    # linears: max(1e8 B / 10 GB/s, 1e9 FLOP / 1 TOPS) = 10 ms; attention: max(2e7 B / 5 GB/s,
+    # 2e8 FLOP / 0.1 TFLOPS) = 4 ms; 1e6 scores x 2 ns = 2 ms; 10 launches x 2 us
+    work = Work(flops=1.2e9, weight_bytes=1e8, cache_bytes=2e7, attention_flops=2e8, scores=1e6)
+    unit = _unit(attention_tops=0.1, attention_bandwidth_gbs=5.0, ns_per_score=2.0)
+    assert call_seconds(work, unit, "int8", 10) == pytest.approx(0.010 + 0.004 + 0.002 + 20e-6)
+    # without them: K/V at the memory bandwidth (2 ms), attention FLOPs at fp32's 0.25 TFLOPS
+    # (0.8 ms), scores free
+    assert call_seconds(work, _unit(), "int8", 10) == pytest.approx(0.010 + 0.002 + 20e-6)
+
+
+def test_calibration_solves_the_attention_model_for_its_rates():
+    tops, ns, bandwidth = 0.2, 1.5, 6.0  # what the times below are made of
+    seconds = []
+    for heads, rows, keys, dim in ATTENTION_SHAPES:
+        scores = heads * rows * (keys + rows)
+        kv = 2 * (keys + rows) * dim * 4
+        seconds.append(max(kv / (bandwidth * 1e9), 4 * scores * dim / (tops * 1e12))
+                       + scores * ns * 1e-9)  # fmt: skip
+    assert fit_attention(ATTENTION_SHAPES, seconds) == pytest.approx((tops, ns, bandwidth))
 
 
 def test_a_few_rows_stream_weights_at_the_verify_bandwidth():
@@ -250,9 +307,13 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     assert set(cpu.peak_tops) == {"int8", "fp16", "fp32"} and cpu.dispatch_us > 0
     assert cpu.host_call_us > 0 and cpu.host_ns_per_logit > 0 and cpu.verify_bandwidth_gbs > 0
     onnx = cpu.for_backend("onnx")  # ONNX Runtime's kernels, measured apart
+    attention = {"attention_tops", "ns_per_score", "attention_bandwidth_gbs"}
     assert set(cpu.backends["onnx"]) == {
-        "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "peak_tops"
+        "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "peak_tops",
+        *attention,
     }  # fmt: skip
+    for unit in (cpu, onnx):
+        assert all(getattr(unit, name) > 0 for name in attention)
     assert onnx.peak_tops.keys() == {"int8"} and onnx.memory_bandwidth_gbs > 0
     measured = [k for k, (src, _) in host.sources.items() if src.startswith("measured")]
     assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us",
