@@ -9,8 +9,9 @@ Builds (once, under --work) two model sizes for two backends:
 - e2b-et, e2b-onnx: `synth --preset e2b --scale 0.25` with its assistant (random weights,
   262144-token vocabulary), Q4_0, max context 1024, depth 3, chunk 128;
 
-calibrates this host (`edgemtp devices calibrate --threads N`, into --work), then runs
-`edgemtp bench` on each bundle with that profile: prefill (pp) and decode (tg) at depths 0-3.
+and for each bundle calibrates this host (`edgemtp devices calibrate --threads N`, into --work)
+and at once runs `edgemtp bench` on it with that profile: prefill (pp) and decode (tg) at
+depths 0-3.
 The demo pair drafts with its own drafter; the random e2b drafter agrees with nothing, so its
 MTP rows use `--acceptance-oracle 0.7` (the drafter still runs). The simulator is given the
 acceptance each row measured. Writes OUT/simulator_host.{json,md,png} and keeps each bench's
@@ -79,11 +80,20 @@ def build(work: Path, log: Path) -> None:
                  "--out", str(work / name)], log)  # fmt: skip
 
 
+def profile_of(work: Path, name: str, threads: int) -> Path:
+    """The host profile calibrated just before bundle `name`'s bench."""
+    return work / f"host-{threads}-{name}.toml"
+
+
 def measure(work: Path, threads: int, repeat: int, log: Path) -> list[dict[str, Any]]:
-    profile = work / f"host-{threads}.toml"
-    run([*EDGEMTP, "devices", "calibrate", "--threads", str(threads), "--out", str(profile)], log)
+    """Per bundle: calibrate, then bench at once with that profile. This shared host's speed
+    drifts by up to 2x within minutes; a profile measured minutes before a bench can miss it by
+    that much, whatever the model."""
     docs = []
     for name, spec in bundles(work).items():
+        profile = profile_of(work, name, threads)
+        run([*EDGEMTP, "devices", "calibrate", "--threads", str(threads), "--out", str(profile)],
+            log)  # fmt: skip
         out = work / f"bench-{name}"
         run([*EDGEMTP, "bench", "--bundle", str(work / name), *spec["bench"], "--threads",
              str(threads), "--repeat", str(repeat), "--device", str(profile), "--out", str(out)],
@@ -104,7 +114,7 @@ def repredict(work: Path, threads: int) -> list[dict[str, Any]]:
         p = doc["plan"]
         plan = BenchPlan(tuple(p["pp"]), tuple(p["tg"]), tuple(p["depths"]), p["repeat"],
                          p["tg_prompt"], p["acceptance_oracle"], p["seed"])  # fmt: skip
-        profile = str(work / f"host-{threads}.toml")
+        profile = str(profile_of(work, name, threads))
         doc["predictions"] = predict(work / name, profile, "cpu", plan, doc["runs"])
         docs.append({"name": name, **doc})
     return docs
@@ -143,7 +153,8 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"{ok} of {len(rows)} rows within ±{WITHIN:.0%} (error = predicted / measured - 1).",
         "",
-        f"Profile: {result['profile'].lstrip('# ')} Benches:",
+        f"Profiles: {result['profile'].lstrip('# ')} Each bench ran right after its own "
+        "calibration (`host-N-<bundle>.toml`). Benches:",
         "",
         *(f"- `{b}`" for b in result["benches"]),
         "",
@@ -217,7 +228,7 @@ def main() -> None:
         "repeat": args.repeat,
         "rows": table(docs),
         "benches": [f"{d['command']} ({d['created']})" for d in docs],
-        "profile": (args.work / f"host-{args.threads}.toml").read_text().splitlines()[0],
+        "profile": profile_of(args.work, docs[0]["name"], args.threads).read_text().splitlines()[0],
         "predictions": {d["name"]: d["predictions"] for d in docs},
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ What is measured (each a median of several runs, with the threads the runtime wo
   export it (int8 activations) on one, four and 256 rows, its cost per node and per call;
 - attention as the bundles compute it (XNNPACK and ONNX Runtime): its matmuls' FLOP rate, the
   time per attention score beyond them (mask, softmax, copies) and the rate K/V stream at;
+- ExecuTorch's portable kernels (what no delegate takes: the cache's slot bookkeeping, masks):
+  time per element they write;
 - edgemtp's own host time per program call and per logit (decoding beside a stand-in program);
 - power: RAPL, where readable, while idle and while the fp32 GEMM runs; elsewhere the profile
   says it is an estimate and why.
@@ -198,6 +200,35 @@ def executorch_attention(quick: bool = False) -> tuple[float, float, float]:
         return lambda: program.forward(inputs)
 
     return attention_rates(make, quick)
+
+
+class SlotBookkeeping(torch.nn.Module):
+    """The cache's slot positions updated as the exported methods update them
+    (`StaticCache.write`): comparisons and selections over [slots, rows], which no delegate
+    takes and ExecuTorch's portable kernels run element by element."""
+
+    def forward(self, kept: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor):  # type: ignore[no-untyped-def]
+        hit = torch.arange(kept.shape[0])[:, None] == slot[None, :]
+        written = torch.where(hit, positions[None, :], -2).amax(1)
+        return torch.where(hit.any(1), written, kept)
+
+
+def portable_ns_per_element(quick: bool = False) -> float:
+    """ns per element a portable kernel writes: `SlotBookkeeping` over 4096 slots for 64 and
+    for 8 rows, interleaved; the difference is two [slots, rows] passes (== and where) over 56
+    more rows, the fixed costs cancel."""
+    slots, many, few = (256, 32, 4) if quick else (4096, 64, 8)
+    calls = []
+    for rows in (many, few):
+        inputs = (torch.full((slots,), -1), torch.arange(rows) % slots, torch.arange(rows))
+        program = _xnnpack_program(SlotBookkeeping(), *inputs)
+        calls.append(lambda p=program, x=inputs: p.forward(x))
+    times: list[list[float]] = [[], []]
+    for _ in range(5 if quick else 25):
+        for call, out in zip(calls, times, strict=True):
+            out += _median_seconds(call, 1)[:1]
+    extra = statistics.median(times[0]) - statistics.median(times[1])
+    return max(extra / (2 * slots * (many - few)) * 1e9, 1e-3)
 
 
 # --- ONNX Runtime: the kernels an ONNX bundle's CPU methods run -----------------------------------
@@ -498,6 +529,8 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     ort = onnx_kernels(threads, quick)
     say("attention (masked softmax between batched matmuls), XNNPACK and ONNX Runtime")
     attention = executorch_attention(quick)
+    say("ExecuTorch's portable kernels (the cache's slot bookkeeping)")
+    portable_ns = portable_ns_per_element(quick)
     ort_attention = onnx_attention(threads, quick)
     say("edgemtp's host side (decoding beside a stand-in program)")
     host_call_us, host_ns_per_logit = host_costs(quick)
@@ -577,6 +610,14 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         "call_us = "
         + _entry(max(per_call - per_op, 0.0), src, "ExecuTorch program call less its one operator"),
         *_attention_lines(attention, src, "XNNPACK"),
+        "ns_per_portable_element = "
+        + _entry(
+            portable_ns,
+            src,
+            "ExecuTorch portable kernels: the cache's slot bookkeeping "
+            "(SlotBookkeeping, == and where over [slots, rows]) on 4096 slots x 64 rows "
+            "less x 8 rows, per element written, median of 25 interleaved",
+        ),
         f"active_w = {active}",
         "",
         "[delegates.cpu.peak_tops]",

@@ -7,6 +7,7 @@ plus the runtime host's own time:
     seconds = max(weight bytes / sustained bandwidth, linear FLOPs / peak of the compute dtype)
               + max(K/V bytes / attention bandwidth, attention FLOPs / peak of the activations)
               + attention scores x time per score
+              + elements written by fallback (portable) kernels x time per element
               + launches x dispatch cost + host cost per call
 
 with the bytes, FLOPs and scores of that very call (`model.cost`: every weight read once per
@@ -76,6 +77,7 @@ class Model:
     full_drafter_head: bool = False  # an int4 clustered head computes every vocabulary row
     stored_bits: float | None = None  # bits per linear weight as the program stores them
     backend: str | None = None  # a bundle's: selects the profile's numbers for that backend
+    portable: dict[str, int] = field(default_factory=dict)  # method -> portable elements per call
 
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
@@ -186,8 +188,8 @@ def compute_dtype(unit: DelegateProfile, delegate: str, quant: str) -> str:
 @dataclass(frozen=True)
 class Terms:
     """Where predicted time goes, over one or more calls: each call costs the roofline of its
-    linears and of its attention (each max(memory, compute)), its attention scores, dispatch
-    and host, summed in `seconds`."""
+    linears and of its attention (each max(memory, compute)), its attention scores, its
+    portable kernels, dispatch and host, summed in `seconds`."""
 
     seconds: float = 0.0
     memory_s: float = 0.0
@@ -198,15 +200,19 @@ class Terms:
     flops: float = 0.0
     launches: int = 0
     scores_s: float = 0.0
+    portable_s: float = 0.0
 
     def __add__(self, other: Terms) -> Terms:
         return Terms(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
-def call_terms(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> Terms:
+def call_terms(
+    work: Work, unit: DelegateProfile, dtype: str, launches: int, portable: int = 0
+) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
     streamed, or FLOPs in the compute dtype), the attention's (K/V streamed, or FLOPs in the
-    activation dtype) plus its scores' time, and dispatch."""
+    activation dtype) plus its scores' time, the `portable` elements fallback kernels write,
+    and dispatch."""
     bandwidth = unit.memory_bandwidth_gbs
     if unit.verify_bandwidth_gbs and 2 <= work.rows <= VERIFY_ROWS:
         bandwidth = unit.verify_bandwidth_gbs
@@ -222,9 +228,10 @@ def call_terms(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> 
     scores = work.scores * (unit.ns_per_score or 0.0) * 1e-9
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
     dispatch = ((unit.call_us or 0.0) + dispatches * unit.dispatch_us) * 1e-6
-    seconds = max(weights, linear) + max(kv, attention) + scores + dispatch
+    fallback = portable * (unit.ns_per_portable_element or 0.0) * 1e-9
+    seconds = max(weights, linear) + max(kv, attention) + scores + fallback + dispatch
     return Terms(seconds, weights + kv, linear + attention, dispatch, 0.0, work.bytes, work.flops,
-                 dispatches, scores)  # fmt: skip
+                 dispatches, scores, fallback)  # fmt: skip
 
 
 def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> float:
@@ -279,7 +286,8 @@ def simulate(
         work = forward_work(cfg, rows, int(last), int(last), bits, model.cache_keys())
         method = "prefill_final" if last else "prefill_intermediate"
         owned = layers if last else cfg.first_shared_layer
-        prefill += call_terms(work, unit, dtype, _launches(model, method, owned)) + _host(host_call)
+        launches, portable = _launches(model, method, owned), model.portable.get(method, 0)
+        prefill += call_terms(work, unit, dtype, launches, portable) + _host(host_call)
     prefill_s = prefill.seconds
 
     middle = prompt + gen // 2
@@ -289,7 +297,8 @@ def simulate(
         head = model.full_drafter_head
         step = draft_work(model.drafter, cfg, middle, bits, model.cache_keys(middle), head)
         n = model.drafter.text.num_layers
-        draft = call_terms(step, unit, dtype, _launches(model, "draft_step", n))
+        launches, portable = _launches(model, "draft_step", n), model.portable.get("draft_step", 0)
+        draft = call_terms(step, unit, dtype, launches, portable)
         terms["draft_step"] = draft = draft + _host(host_call + choose)
     draft_s = draft.seconds
     round_s: dict[int, float] = {}
@@ -297,7 +306,8 @@ def simulate(
         method, rows = model.verify(k)
         keys = model.cache_keys(middle + rows)
         verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
-        call = call_terms(verify, unit, dtype, _launches(model, method, layers))
+        portable = model.portable.get(method, 0)
+        call = call_terms(verify, unit, dtype, _launches(model, method, layers), portable)
         terms[f"verify_{k}"] = call + _host(host_call + (k + 1) * choose)
         round_s[k] = terms[f"verify_{k}"].seconds + k * draft_s
     expected = {k: acceptance.expected_tokens(k) for k in depths}
@@ -390,6 +400,11 @@ def model_from_bundle(bundle: Path) -> Model:
         "over the vocabulary" in manifest["numerics"].get("drafter_head", ""),
         stored_bits(manifest, cfg, drafter),
         manifest["backend"],
+        {
+            name: int(d["portable_elements"])
+            for name, d in manifest["backend_details"].get("delegation", {}).items()
+            if isinstance(d, dict) and "portable_elements" in d
+        },
     )
 
 

@@ -398,7 +398,8 @@ _MATMUL_OPS = (".mm.", ".mv.", "matmul")
 def delegation_summary(
     edge: Any, exempt: tuple[str, ...] = (), backend: str = "XNNPACK"
 ) -> dict[str, Any]:
-    """Per method: delegated partitions and nodes, and the ops left to portable kernels.
+    """Per method: delegated partitions and nodes, and the ops left to portable kernels (and the
+    elements they write per call, which the simulator prices).
 
     Raises EdgeMTPError naming the op when a linear (fp32 or quantized) stayed outside the
     delegates, or a matrix product outside a module path containing one of `exempt`."""
@@ -409,6 +410,7 @@ def delegation_summary(
         gm = edge.exported_program(name).graph_module
         info = get_delegation_info(gm)
         portable: Counter = Counter()
+        elements = 0
         for node in gm.graph.nodes:
             if node.op != "call_function" or "executorch_call_delegate" in str(node.target):
                 continue
@@ -416,6 +418,7 @@ def delegation_summary(
             if op == "getitem":
                 continue
             portable[op] += 1
+            elements += _output_elements(node)
             stack = " ".join(p for p, _ in (node.meta.get("nn_module_stack") or {}).values())
             linear = any(w in op for w in _LINEAR_OPS)
             matmul = any(w in f".{op}." for w in _MATMUL_OPS)
@@ -429,5 +432,13 @@ def delegation_summary(
             "delegated_nodes": info.num_delegated_nodes,
             "portable_nodes": info.num_non_delegated_nodes,
             "portable_ops": dict(sorted(portable.items())),
+            "portable_elements": elements,
         }
     return summary
+
+
+def _output_elements(node: Any) -> int:
+    """Elements a graph node writes (what a portable kernel loops over), from its traced value."""
+    values = node.meta.get("val")
+    values = values if isinstance(values, list | tuple) else [values]
+    return sum(int(v.numel()) for v in values if isinstance(v, torch.Tensor))

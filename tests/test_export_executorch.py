@@ -421,6 +421,7 @@ def test_runtime_operators_are_the_xnnpack_nodes_plus_portable_calls(linears):
     )
     nodes = delegation_summary(edge)["m"]
     assert nodes["portable_ops"] == {"aten.cumsum.default": 1}
+    assert nodes["portable_elements"] == 64  # the cumsum's [1, 64] output
     program = edge.to_executorch(backend_config()).executorch_program
     # one XNNPACK fully-connected node per linear, one cumsum kernel
     assert program_operators(program) == {"m": linears + 1}

@@ -17,6 +17,7 @@ from edgemtp.devices.calibrate import ATTENTION_SHAPES, fit_attention
 from edgemtp.devices.profiles import DelegateProfile, load_profile
 from edgemtp.devices.simulator import (
     call_seconds,
+    call_terms,
     mean_acceptance,
     model_from_preset,
     simulate,
@@ -158,6 +159,11 @@ def test_attention_is_priced_after_the_linears_with_its_own_rates():
     work = Work(flops=1.2e9, weight_bytes=1e8, cache_bytes=2e7, attention_flops=2e8, scores=1e6)
     unit = _unit(attention_tops=0.1, attention_bandwidth_gbs=5.0, ns_per_score=2.0)
     assert call_seconds(work, unit, "int8", 10) == pytest.approx(0.010 + 0.004 + 0.002 + 20e-6)
+    # and 1e5 elements written by portable kernels at 30 ns each: 3 ms more
+    fallback = replace(unit, ns_per_portable_element=30.0)
+    assert call_terms(work, fallback, "int8", 10, portable=100_000).seconds == pytest.approx(
+        0.010 + 0.004 + 0.002 + 0.003 + 20e-6
+    )
     # without them: K/V at the memory bandwidth (2 ms), attention FLOPs at fp32's 0.25 TFLOPS
     # (0.8 ms), scores free
     assert call_seconds(work, _unit(), "int8", 10) == pytest.approx(0.010 + 0.002 + 20e-6)
@@ -314,6 +320,7 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     }  # fmt: skip
     for unit in (cpu, onnx):
         assert all(getattr(unit, name) > 0 for name in attention)
+    assert cpu.ns_per_portable_element > 0
     assert onnx.peak_tops.keys() == {"int8"} and onnx.memory_bandwidth_gbs > 0
     measured = [k for k, (src, _) in host.sources.items() if src.startswith("measured")]
     assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us",
