@@ -330,6 +330,47 @@ def onnx_attention(threads: int, quick: bool = False) -> tuple[float, float, flo
     return attention_rates(make, quick)
 
 
+def onnx_ns_per_element(threads: int, quick: bool = False) -> float:
+    """ns per element ONNX Runtime's non-matmul nodes write: a chain of 24 nodes (Mul, Add,
+    SimplifiedLayerNormalization, Gelu in turn, what a decoder layer runs between its linears)
+    on 64 rows of 1024 less the same chain on 8 rows, interleaved; dispatch cancels."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    width, many, few, length = (256, 16, 2, 8) if quick else (1024, 64, 8, 24)
+    kinds = ("Mul", "Add", "SimplifiedLayerNormalization", "Gelu")
+
+    def session(rows: int) -> Any:
+        scale = numpy_helper.from_array(np.full(width, 0.5, dtype=np.float32), "w")
+        nodes = []
+        for i in range(length):
+            kind, x, y = kinds[i % len(kinds)], f"h{i}", f"h{i + 1}"
+            if kind in ("Mul", "Add"):
+                nodes.append(helper.make_node(kind, [x, "w"], [y]))
+            elif kind == "Gelu":
+                nodes.append(helper.make_node(kind, [x], [y], domain="com.microsoft"))
+            else:
+                nodes.append(helper.make_node(kind, [x, "w"], [y], axis=-1, epsilon=1e-6))
+        graph = helper.make_graph(
+            nodes, "elementwise",
+            [helper.make_tensor_value_info("h0", TensorProto.FLOAT, [rows, width])],
+            [helper.make_tensor_value_info(f"h{length}", TensorProto.FLOAT, [rows, width])],
+            [scale],
+        )  # fmt: skip
+        return _ort_session(graph, threads)
+
+    calls = []
+    for rows in (many, few):
+        s, x = session(rows), np.ones((rows, width), dtype=np.float32)
+        calls.append(lambda s=s, x=x: s.run(None, {"h0": x}))
+    times: list[list[float]] = [[], []]
+    for _ in range(5 if quick else 50):
+        for call, out in zip(calls, times, strict=True):
+            out += _median_seconds(call, 1)[:1]
+    extra = statistics.median(times[0]) - statistics.median(times[1])
+    return max(extra / (length * (many - few) * width) * 1e9, 1e-3)
+
+
 def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
     """ONNX Runtime's MatMulNBits GEMV bandwidth (one row, past the caches), its throughput on
     256 rows, and its cost per call and per node (chains of 1 and 201 MatMul nodes of 64 x 64
@@ -532,6 +573,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     say("ExecuTorch's portable kernels (the cache's slot bookkeeping)")
     portable_ns = portable_ns_per_element(quick)
     ort_attention = onnx_attention(threads, quick)
+    ort_elements = onnx_ns_per_element(threads, quick)
     say("edgemtp's host side (decoding beside a stand-in program)")
     host_call_us, host_ns_per_logit = host_costs(quick)
     say("power")
@@ -647,6 +689,10 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         "call_us = "
         + _entry(ort["call_us"], src, "ONNX Runtime session.run of one node, less the node"),
         *_attention_lines(ort_attention, src, "ONNX Runtime"),
+        "ns_per_element = "
+        + _entry(ort_elements, src, "ONNX Runtime's non-matmul nodes: a chain of 24 (Mul, Add, "
+                 "SimplifiedLayerNormalization, Gelu) on 64 x 1024 less on 8 x 1024, per "
+                 "element written, median of 50 interleaved"),
         "",
         "[delegates.cpu.backends.onnx.peak_tops]",
         "int8 = "

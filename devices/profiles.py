@@ -45,6 +45,9 @@ What the fields mean (the simulator relies on these definitions):
   - `ns_per_portable_element` (optional): time per element a runtime's fallback kernels write
     (ExecuTorch's portable kernels: the ops no delegate takes); a bundle records how many
     elements each method's such ops write. Absent: free.
+  - `ns_per_element` (optional): time per element the unit's kernels other than matmuls write
+    (norms, activations, adds, copies), for bundles that record them per method (ONNX).
+    Absent: free.
   - `[delegates.X.backends.Y]` (optional): `memory_bandwidth_gbs`, `dispatch_us`, `call_us`,
     `host_*`, the attention numbers and `peak_tops` as the kernels of backend Y (executorch,
     onnx, coreml) run on this unit, where they were measured apart; a bundle of backend Y is
@@ -80,13 +83,14 @@ _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispa
 _DELEGATE_OPTIONAL_NUMBERS = (
     "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "call_us",
     "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
-    "ns_per_portable_element",
+    "ns_per_portable_element", "ns_per_element",
 )  # fmt: skip
 BACKENDS = ("executorch", "onnx", "coreml")
 # what a [delegates.X.backends.Y] section may replace for bundles of backend Y
 _BACKEND_NUMBERS = (
     "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
     "host_ns_per_logit", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
+    "ns_per_element",
 )  # fmt: skip
 _FIX = "see the field conventions at the top of devices/profiles.py"
 
@@ -112,6 +116,7 @@ class DelegateProfile:
     attention_bandwidth_gbs: float | None = None
     ns_per_score: float | None = None
     ns_per_portable_element: float | None = None
+    ns_per_element: float | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def for_backend(self, backend: str | None) -> DelegateProfile:
@@ -321,6 +326,7 @@ class _Parser:
             attention_bandwidth_gbs=optional.get("attention_bandwidth_gbs"),
             ns_per_score=optional.get("ns_per_score"),
             ns_per_portable_element=optional.get("ns_per_portable_element"),
+            ns_per_element=optional.get("ns_per_element"),
             backends=self.backends(table.get("backends", {}), prefix),
         )
 

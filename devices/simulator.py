@@ -7,7 +7,8 @@ plus the runtime host's own time:
     seconds = max(weight bytes / sustained bandwidth, linear FLOPs / peak of the compute dtype)
               + max(K/V bytes / attention bandwidth, attention FLOPs / peak of the activations)
               + attention scores x time per score
-              + elements written by fallback (portable) kernels x time per element
+              + elements written by fallback (portable) kernels, and where a bundle counts
+                them by its other non-matmul kernels, x time per element
               + launches x dispatch cost + host cost per call
 
 with the bytes, FLOPs and scores of that very call (`model.cost`: every weight read once per
@@ -78,6 +79,7 @@ class Model:
     stored_bits: float | None = None  # bits per linear weight as the program stores them
     backend: str | None = None  # a bundle's: selects the profile's numbers for that backend
     portable: dict[str, int] = field(default_factory=dict)  # method -> portable elements per call
+    elementwise: dict[str, int] = field(default_factory=dict)  # method -> non-matmul elements
 
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
@@ -200,19 +202,25 @@ class Terms:
     flops: float = 0.0
     launches: int = 0
     scores_s: float = 0.0
-    portable_s: float = 0.0
+    portable_s: float = 0.0  # fallback kernels, and other non-matmul kernels counted apart
 
     def __add__(self, other: Terms) -> Terms:
         return Terms(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 def call_terms(
-    work: Work, unit: DelegateProfile, dtype: str, launches: int, portable: int = 0
+    work: Work,
+    unit: DelegateProfile,
+    dtype: str,
+    launches: int,
+    portable: int = 0,
+    elementwise: int = 0,
 ) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
     streamed, or FLOPs in the compute dtype), the attention's (K/V streamed, or FLOPs in the
     activation dtype) plus its scores' time, the `portable` elements fallback kernels write,
-    and dispatch."""
+    the `elementwise` elements its other non-matmul kernels write (where the bundle counts
+    them), and dispatch."""
     bandwidth = unit.memory_bandwidth_gbs
     if unit.verify_bandwidth_gbs and 2 <= work.rows <= VERIFY_ROWS:
         bandwidth = unit.verify_bandwidth_gbs
@@ -229,6 +237,7 @@ def call_terms(
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
     dispatch = ((unit.call_us or 0.0) + dispatches * unit.dispatch_us) * 1e-6
     fallback = portable * (unit.ns_per_portable_element or 0.0) * 1e-9
+    fallback += elementwise * (unit.ns_per_element or 0.0) * 1e-9
     seconds = max(weights, linear) + max(kv, attention) + scores + fallback + dispatch
     return Terms(seconds, weights + kv, linear + attention, dispatch, 0.0, work.bytes, work.flops,
                  dispatches, scores, fallback)  # fmt: skip
@@ -244,6 +253,11 @@ def _host(seconds: float) -> Terms:
 
 def _launches(model: Model, method: str, layers: int) -> int:
     return model.launches.get(method) or OPS_PER_LAYER * layers
+
+
+def _elements(model: Model, method: str) -> tuple[int, int]:
+    """(portable, other non-matmul) elements one call of `method` writes, as its bundle says."""
+    return model.portable.get(method, 0), model.elementwise.get(method, 0)
 
 
 def simulate(
@@ -286,8 +300,8 @@ def simulate(
         work = forward_work(cfg, rows, int(last), int(last), bits, model.cache_keys())
         method = "prefill_final" if last else "prefill_intermediate"
         owned = layers if last else cfg.first_shared_layer
-        launches, portable = _launches(model, method, owned), model.portable.get(method, 0)
-        prefill += call_terms(work, unit, dtype, launches, portable) + _host(host_call)
+        launches, elements = _launches(model, method, owned), _elements(model, method)
+        prefill += call_terms(work, unit, dtype, launches, *elements) + _host(host_call)
     prefill_s = prefill.seconds
 
     middle = prompt + gen // 2
@@ -297,8 +311,8 @@ def simulate(
         head = model.full_drafter_head
         step = draft_work(model.drafter, cfg, middle, bits, model.cache_keys(middle), head)
         n = model.drafter.text.num_layers
-        launches, portable = _launches(model, "draft_step", n), model.portable.get("draft_step", 0)
-        draft = call_terms(step, unit, dtype, launches, portable)
+        launches, elements = _launches(model, "draft_step", n), _elements(model, "draft_step")
+        draft = call_terms(step, unit, dtype, launches, *elements)
         terms["draft_step"] = draft = draft + _host(host_call + choose)
     draft_s = draft.seconds
     round_s: dict[int, float] = {}
@@ -306,8 +320,8 @@ def simulate(
         method, rows = model.verify(k)
         keys = model.cache_keys(middle + rows)
         verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
-        portable = model.portable.get(method, 0)
-        call = call_terms(verify, unit, dtype, _launches(model, method, layers), portable)
+        elements = _elements(model, method)
+        call = call_terms(verify, unit, dtype, _launches(model, method, layers), *elements)
         terms[f"verify_{k}"] = call + _host(host_call + (k + 1) * choose)
         round_s[k] = terms[f"verify_{k}"].seconds + k * draft_s
     expected = {k: acceptance.expected_tokens(k) for k in depths}
@@ -405,6 +419,7 @@ def model_from_bundle(bundle: Path) -> Model:
             for name, d in manifest["backend_details"].get("delegation", {}).items()
             if isinstance(d, dict) and "portable_elements" in d
         },
+        {k: int(v) for k, v in manifest["backend_details"].get("elementwise_elements", {}).items()},
     )
 
 

@@ -438,7 +438,10 @@ def delegation_summary(
 
 
 def _output_elements(node: Any) -> int:
-    """Elements a graph node writes (what a portable kernel loops over), from its traced value."""
+    """Elements a graph node writes (what a portable kernel loops over), from its traced value;
+    an index_put (a cache write, done in place in the program) writes its values only."""
+    if "index_put" in str(node.target) and len(node.args) > 2:
+        node = node.args[2]
     values = node.meta.get("val")
     values = values if isinstance(values, list | tuple) else [values]
     return sum(int(v.numel()) for v in values if isinstance(v, torch.Tensor))

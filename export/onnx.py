@@ -203,6 +203,36 @@ class Graph:
     def producers(self) -> dict[str, onnx.NodeProto]:
         return {o: n for n in self.nodes for o in n.output}
 
+    def all_types(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Every value's type: the traced ones, and what ONNX shape inference finds for values
+        the tracer composes without one (the standard ops of an in-graph dequantization)."""
+        info = helper.make_tensor_value_info
+        known = dict(self.types)
+        # small constants (axes, shapes) by value, as inference needs them; weights by type
+        small = {n: v for n, v in self.tensors.items() if _nbytes(v) <= INLINE_BYTES}
+        given = [n for n in dict.fromkeys([*self.inputs, *self.tensors]) if n not in small]
+        inits = []
+        for name, value in small.items():
+            elem, dims = known[name]
+            inits.append(TensorProto(name=name, data_type=elem, dims=dims, raw_data=_raw(value)[2]))
+        inner = [o for n in self.nodes for o in n.output if o in known and o not in self.outputs]
+        graph = helper.make_graph(
+            self.nodes,
+            self.name,
+            [info(n, *known[n]) for n in given],
+            [info(n, *known[n]) for n in self.outputs],
+            inits,
+            value_info=[info(n, *known[n]) for n in inner],
+        )
+        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+        inferred = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=opsets))
+        for v in inferred.graph.value_info:
+            t = v.type.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+            if v.name not in known and t.HasField("shape") and min(dims, default=0) >= 0:
+                known[v.name] = (t.elem_type, tuple(dims))
+        return known
+
     def model(self, weights: WeightFile | None) -> onnx.ModelProto:
         """The ModelProto; initializers over INLINE_BYTES go to `weights` (external data)."""
         inits = []
@@ -588,8 +618,10 @@ def _min(tr: _Tracer, out: Tensor, x: Tensor) -> None:
 @_on(aten.any.dim)
 def _any(tr: _Tracer, out: Tensor, x: Tensor, dim: int, keepdim: bool = False) -> None:
     as_int = tr.g.node("Cast", [tr.operand(x, torch.bool)], to=TensorProto.UINT8)[0]
+    tr.g.typed(as_int, TensorProto.UINT8, x.shape)
     axes = tr.g.const(np.array([dim % x.dim()], dtype=np.int64))
     hit = tr.g.node("ReduceMax", [as_int, axes], keepdims=int(keepdim))[0]
+    tr.g.typed(hit, TensorProto.UINT8, out.shape)
     tr.emit("Cast", [hit], out, to=TensorProto.BOOL)
 
 
@@ -1145,6 +1177,26 @@ def _op_counts(methods: list[MethodGraph]) -> dict[str, dict[str, int]]:
     }
 
 
+MATMUL_NODES = {"MatMul", "MatMulNBits", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul"}
+VIEW_NODES = {"Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten"}  # ORT aliases these
+
+
+def _elementwise_elements(methods: list[MethodGraph]) -> dict[str, int]:
+    """Per method: the elements its nodes other than matmuls and views write per call (norms,
+    activations, adds, masks, softmax, copies), from each value's traced shape."""
+    out = {}
+    for m in methods:
+        types = m.graph.all_types()
+        out[m.name] = sum(
+            math.prod(types[v][1])
+            for n in m.graph.nodes
+            if n.op_type not in MATMUL_NODES | VIEW_NODES
+            for v in n.output
+            if v in types
+        )
+    return out
+
+
 def _numerics(static: StaticBundle, delegate: str, activations: str) -> dict[str, str]:
     schemes: dict[str, set[str]] = {}
     float_linears = 0
@@ -1280,6 +1332,7 @@ def lower_onnx(
     details.update(
         {
             "ops": _op_counts(methods),
+            "elementwise_elements": _elementwise_elements(methods),
             "weights_bytes": weights.size,
             "weights_referenced_bytes": weights.referenced,
             "cache_io": "host writes the new rows into the bound cache arrays",

@@ -427,6 +427,24 @@ def test_runtime_operators_are_the_xnnpack_nodes_plus_portable_calls(linears):
     assert program_operators(program) == {"m": linears + 1}
 
 
+def test_a_cache_write_counts_the_rows_it_writes_not_the_cache():
+    class WriteRows(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(1, 64, 8))
+
+        def forward(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            self.cache.index_copy_(1, slots, rows)  # in place in the program
+            return slots + 1
+
+    rows, slots = torch.randn(1, 3, 8), torch.tensor([5, 6, 7])
+    edge = lower_programs({"m": export_method(WriteRows(), (rows, slots))}, None)
+    nodes = delegation_summary(edge)["m"]
+    assert nodes["portable_ops"].get("aten.index_put.default") == 1
+    # the 3 x 8 values written, and the 3 elements of slots + 1; not the 512 of the cache
+    assert nodes["portable_elements"] == 3 * 8 + 3
+
+
 @pytest.mark.parametrize("scheme", BUNDLE_SCHEMES)
 def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     _, result = lowered(scheme)

@@ -18,7 +18,15 @@ from oracle_drafts import OracleDrafts, greedy
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.driver import EagerRunner
-from edgemtp.export.onnx import FOLDER, WEIGHTS, OnnxRunner, lower_onnx, qdq_weight_tensors
+from edgemtp.export.onnx import (
+    FOLDER,
+    MATMUL_NODES,
+    VIEW_NODES,
+    WEIGHTS,
+    OnnxRunner,
+    lower_onnx,
+    qdq_weight_tensors,
+)
 from edgemtp.export.static import StaticBundle, StaticShapes
 from edgemtp.export.weights import attach_int4, int4_of
 from edgemtp.model.checkpoint import load_drafter, load_target
@@ -256,6 +264,35 @@ def test_weights_are_stored_once(exported):
     unique = sum(int(length) for _, length in locations.values())
     assert unique <= size <= unique + 64 * len(locations)
     assert sorted(exported.lowered.files) == sorted(f"{FOLDER}/{p.name}" for p in folder.iterdir())
+
+
+def test_elementwise_elements_are_what_onnx_runtime_computes(exported):
+    """The elements each method's non-matmul, non-view nodes write per call, as the manifest
+    says, equal the sizes of those nodes' outputs when ONNX Runtime runs the method (every one
+    of them made a graph output)."""
+    counted = exported.lowered.details["elementwise_elements"]
+    probe = exported.folder / "probe.onnx"
+    for method in counted:
+        model = onnx.load(str(exported.folder / f"{method}.onnx"), load_external_data=False)
+        model = onnx.shape_inference.infer_shapes(model)  # types of the untraced values too
+        infos = {v.name: v for v in model.graph.value_info}
+        outputs = {o.name for o in model.graph.output}
+        written = [out for n in model.graph.node if n.op_type not in MATMUL_NODES | VIEW_NODES
+                   for out in n.output]  # fmt: skip
+        model.graph.output.extend(infos[v] for v in written if v in infos and v not in outputs)
+        onnx.save(model, str(probe))
+        try:
+            session = ort.InferenceSession(str(probe))
+            feed = {}
+            for i in session.get_inputs():
+                dtype = np.int64 if "int64" in i.type else np.float32
+                feed[i.name] = np.zeros(i.shape, dtype=dtype)
+            names = [o.name for o in session.get_outputs()]
+            values = dict(zip(names, session.run(None, feed), strict=True))
+        finally:
+            probe.unlink()
+        assert set(written) <= set(values), method
+        assert counted[method] == sum(values[v].size for v in written) > 0, method
 
 
 def test_numerics_say_what_is_computed(exported):

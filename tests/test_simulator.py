@@ -164,6 +164,10 @@ def test_attention_is_priced_after_the_linears_with_its_own_rates():
     assert call_terms(work, fallback, "int8", 10, portable=100_000).seconds == pytest.approx(
         0.010 + 0.004 + 0.002 + 0.003 + 20e-6
     )
+    # and 2e6 elements written by other non-matmul kernels at 0.5 ns each: 1 ms more
+    elementwise = replace(fallback, ns_per_element=0.5)
+    terms = call_terms(work, elementwise, "int8", 10, portable=100_000, elementwise=2_000_000)
+    assert terms.seconds == pytest.approx(0.010 + 0.004 + 0.002 + 0.003 + 0.001 + 20e-6)
     # without them: K/V at the memory bandwidth (2 ms), attention FLOPs at fp32's 0.25 TFLOPS
     # (0.8 ms), scores free
     assert call_seconds(work, _unit(), "int8", 10) == pytest.approx(0.010 + 0.002 + 20e-6)
@@ -316,11 +320,11 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     attention = {"attention_tops", "ns_per_score", "attention_bandwidth_gbs"}
     assert set(cpu.backends["onnx"]) == {
         "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "peak_tops",
-        *attention,
+        "ns_per_element", *attention,
     }  # fmt: skip
     for unit in (cpu, onnx):
         assert all(getattr(unit, name) > 0 for name in attention)
-    assert cpu.ns_per_portable_element > 0
+    assert cpu.ns_per_portable_element > 0 and onnx.ns_per_element > 0
     assert onnx.peak_tops.keys() == {"int8"} and onnx.memory_bandwidth_gbs > 0
     measured = [k for k, (src, _) in host.sources.items() if src.startswith("measured")]
     assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us",
