@@ -190,8 +190,8 @@ def compute_dtype(unit: DelegateProfile, delegate: str, quant: str) -> str:
 @dataclass(frozen=True)
 class Terms:
     """Where predicted time goes, over one or more calls: each call costs the roofline of its
-    linears and of its attention (each max(memory, compute)), its attention scores, its
-    portable kernels, dispatch and host, summed in `seconds`."""
+    linears and of its attention (each max(memory, compute)), its attention scores, the
+    elements its other kernels write, dispatch and host, summed in `seconds`."""
 
     seconds: float = 0.0
     memory_s: float = 0.0
@@ -202,7 +202,7 @@ class Terms:
     flops: float = 0.0
     launches: int = 0
     scores_s: float = 0.0
-    portable_s: float = 0.0  # fallback kernels, and other non-matmul kernels counted apart
+    elements_s: float = 0.0  # elements written by kernels outside the matmuls, where counted
 
     def __add__(self, other: Terms) -> Terms:
         return Terms(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -236,11 +236,11 @@ def call_terms(
     scores = work.scores * (unit.ns_per_score or 0.0) * 1e-9
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
     dispatch = ((unit.call_us or 0.0) + dispatches * unit.dispatch_us) * 1e-6
-    fallback = portable * (unit.ns_per_portable_element or 0.0) * 1e-9
-    fallback += elementwise * (unit.ns_per_element or 0.0) * 1e-9
-    seconds = max(weights, linear) + max(kv, attention) + scores + fallback + dispatch
+    elements = portable * (unit.ns_per_portable_element or 0.0) * 1e-9
+    elements += elementwise * (unit.ns_per_element or 0.0) * 1e-9
+    seconds = max(weights, linear) + max(kv, attention) + scores + elements + dispatch
     return Terms(seconds, weights + kv, linear + attention, dispatch, 0.0, work.bytes, work.flops,
-                 dispatches, scores, fallback)  # fmt: skip
+                 dispatches, scores, elements)  # fmt: skip
 
 
 def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> float:
@@ -358,6 +358,12 @@ def simulate(
             else f"the profile's {delegate} delegate",
             "dispatch": f"{unit.call_us or 0} us per call + {unit.dispatch_us} us per "
             f"{unit.dispatch_unit}",
+            "attention": f"{unit.attention_tops} TFLOPS, {unit.ns_per_score} ns per score, "
+            f"K/V at {unit.attention_bandwidth_gbs} GB/s"
+            if unit.attention_tops is not None
+            else "at the activation dtype's peak and the memory bandwidth, scores free",
+            "elements": f"{unit.ns_per_portable_element} ns per portable-kernel element, "
+            f"{unit.ns_per_element} ns per other non-matmul element (where the bundle counts them)",
             "host": f"{unit.host_call_us} us per call, {unit.host_ns_per_logit} ns per logit"
             if unit.host_call_us is not None
             else "not in the profile: program calls priced alone",
