@@ -85,7 +85,10 @@ class FakeSession:
     def generate(
         self, prompt: list[int], n: int, *, mtp: int, params: Any, stop_ids: Any, **flags: Any
     ) -> FakeGeneration:
-        call, depth, vocab = self.calls, mtp, self.backend.vocab_size
+        call, vocab = self.calls, self.backend.vocab_size
+        # at depth auto the fake drafts (call + round) % (max draft + 1), times itself as depth 1
+        auto = mtp == bench.AUTO
+        depth = 1 if auto else mtp
         self.calls += 1
         self.prompts.append(list(prompt))
         if not self.fresh:
@@ -95,13 +98,14 @@ class FakeSession:
         if call in self.fail_calls:
             raise EdgeMTPError(f"fake runner: call {call} failed")
         tokens = [(sum(prompt) + 7 * i) % vocab for i in range(n)]
-        if depth == self.mismatch_depth and n > 1:
+        if not auto and depth == self.mismatch_depth and n > 1:
             tokens[-1] = (tokens[-1] + 1) % vocab
         ttft = 0.001 * len(prompt) * (1 + 0.01 * (call % 7))
         decode_s = 0.01 * (n - 1) / (1 + 0.5 * depth) * (1 + 0.01 * (call % 5)) if n > 1 else 0.0
         rounds, remaining, r = [], n - 1, 0
         while remaining > 0:
-            drafted = min(depth, remaining - 1)
+            wanted = (call + r) % (self.backend.max_draft + 1) if auto else depth
+            drafted = min(wanted, remaining - 1)
             accepted = (call + r) % (drafted + 1)
             rounds.append(FakeStep("decode", drafted, accepted))
             remaining -= accepted + 1
@@ -274,6 +278,27 @@ def test_depth_order_and_no_failures_equal_python(tool, bundle):
     assert [r["valid"] for r in runs] == [None] * 6
 
 
+def test_auto_depth_runs_equal_python(tool, bundle):
+    """`--mtp auto` beside pinned depths: the same runs, prompts and records (depth "auto") as
+    runtime/bench.py, and a document `bench collect` summarizes with the depths auto chose."""
+    plan = dict(pp=(), tg=(9,), depths=(0, 2, "auto"), repeat=2, tg_prompt=6, seed=3)
+    done = run_tool(tool, "run", "--bundle", str(bundle), *bench_args(plan))
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert document["plan"]["depths"] == [0, 2, "auto"]
+    expected = python_runs(plan)
+    assert _close(document["runs"]) == _close(expected)
+    autos = [r for r in document["runs"] if r["depth"] == "auto"]
+    assert len(autos) == 3 and {d for r in autos for d, _ in r["rounds"]} > {0, 1}
+    jsonschema.Draft202012Validator(json.loads(bench.SCHEMA_FILE.read_text())).validate(document)
+    (row,) = [r for r in check_result(document, "bench_test")["summary"] if r["depth"] == "auto"]
+    chosen: dict[str, int] = {}
+    for r in autos[1:]:  # the timed runs
+        for drafted, _ in r["rounds"]:
+            chosen[str(drafted)] = chosen.get(str(drafted), 0) + 1
+    assert row["depths_used"] == chosen
+
+
 def test_context_boundary_equal_python(tool, bundle):
     # prompt + generated + deepest draft + 1 must fit: pp30 and tg19 just do, pp31 and tg20 not
     plan = dict(pp=(30, 31), tg=(19, 20), depths=(0, 2), repeat=1, tg_prompt=10, seed=1)
@@ -370,7 +395,8 @@ def test_stop_and_battery(tool, bundle):
         ({"has_drafter": False}, {}),
         ({}, {"repeat": 0}),
         ({}, {"tg_prompt": 0}),
-        ({}, {"depths": (-1, 0)}),
+        ({}, {"depths": (-2, 0)}),
+        ({"has_drafter": False}, {"depths": (0, "auto")}),
     ],
 )
 def test_plan_errors_as_python(tool, bundle, changes, plan_changes):
@@ -379,7 +405,7 @@ def test_plan_errors_as_python(tool, bundle, changes, plan_changes):
         bench.BenchPlan(**plan).check(fake_session(**changes).backend)
     done = run_tool(tool, "run", "--bundle", str(bundle), *bench_args(plan, **changes))
     assert done.returncode == 2
-    message = str(python_error.value).replace("(-1, 0)", "[-1, 0]")  # a tuple in Python
+    message = str(python_error.value).replace("(-2, 0)", "[-2, 0]")  # a tuple in Python
     assert done.stderr.strip() == f"error: {message}"
 
 

@@ -201,19 +201,40 @@ void check_plan(const BenchPlan& plan, const BundleConfig& config) {
   }
   // bench.py fails later (max() of nothing) and the schema wants a depth: say so up front.
   if (plan.depths.empty()) throw Error("--mtp: give at least one depth (0 = AR)");
-  int deepest = *std::max_element(plan.depths.begin(), plan.depths.end());
+  std::vector<int> pinned;
+  for (int d : plan.depths) {
+    if (d != kAutoDepth) pinned.push_back(d);
+  }
+  int deepest = pinned.empty() ? 0 : *std::max_element(pinned.begin(), pinned.end());
   if (deepest > 0 && !config.has_drafter) {
     throw Error("--mtp " + std::to_string(deepest) +
                 " needs a drafter; this bundle has none (--mtp 0)");
+  }
+  if (pinned.size() < plan.depths.size() && !config.has_drafter) {
+    throw Error("--mtp auto adapts the draft depth: this bundle has no drafter");
   }
   if (deepest > config.shapes.max_draft) {
     throw Error("--mtp " + std::to_string(deepest) + ": this bundle verifies at most " +
                 std::to_string(config.shapes.max_draft) + " drafts (export with --draft-depth " +
                 std::to_string(deepest) + " for more)");
   }
-  if (*std::min_element(plan.depths.begin(), plan.depths.end()) < 0) {
+  if (!pinned.empty() && *std::min_element(pinned.begin(), pinned.end()) < 0) {
     throw Error("--mtp " + list_text(plan.depths) + ": depths are >= 0 (0 = AR)");
   }
+}
+
+std::string depth_text(int depth) {
+  return depth == kAutoDepth ? "auto" : std::to_string(depth);
+}
+
+json::Value depth_value(int depth) {
+  return depth == kAutoDepth ? json::Value("auto") : json::Value(depth);
+}
+
+json::Value depths_array(const std::vector<int>& depths) {
+  json::Array out;
+  for (int d : depths) out.push_back(depth_value(d));
+  return out;
 }
 
 // --- the bundle ----------------------------------------------------------------------------
@@ -330,7 +351,8 @@ struct Measured {
   std::optional<std::vector<int>> tokens;  // when the run completed
 };
 
-// bench.py's _run: one generation from a reset cache, greedy, pinned depth, no stop ids.
+// bench.py's _run: one generation from a reset cache, greedy, the depth (pinned or the
+// Engine's adaptive one), no stop ids.
 Measured measure(BenchTarget& target, const std::string& test, int depth, int round,
                  const std::vector<int>& prompt, int gen, const std::vector<int>* ar_tokens,
                  const BenchHooks& hooks) {
@@ -338,7 +360,7 @@ Measured measure(BenchTarget& target, const std::string& test, int depth, int ro
   json::Object& record = out.record;
   record = {
       {"test", test},
-      {"depth", depth},
+      {"depth", depth_value(depth)},
       {"round", round},
       {"warmup", round < 0},
       {"prompt_tokens", static_cast<int64_t>(prompt.size())},
@@ -417,7 +439,8 @@ json::Array run_tests(BenchTarget& target, const BenchPlan& plan, const BenchHoo
   for (int n : plan.pp) tests.push_back({"pp" + std::to_string(n), n, 1, {0}});
   for (int n : plan.tg) tests.push_back({"tg" + std::to_string(n), plan.tg_prompt, n, plan.depths});
   auto fits = [&](const Test& test) {
-    int deepest = *std::max_element(test.depths.begin(), test.depths.end());
+    int deepest = 0;
+    for (int d : test.depths) deepest = std::max(deepest, d == kAutoDepth ? config.shapes.max_draft : d);
     return int64_t{test.prompt_len} + test.gen + deepest + 1 <= limit;
   };
   int planned = 0;
@@ -445,8 +468,8 @@ json::Array run_tests(BenchTarget& target, const BenchPlan& plan, const BenchHoo
       continue;
     }
     for (int depth : test.depths) {
-      if (!next(test.name + " warm-up, depth " + std::to_string(depth))) return runs;
-      std::vector<int> prompt = prompts.make(test.name + " warm-up " + std::to_string(depth), test.prompt_len);
+      if (!next(test.name + " warm-up, depth " + depth_text(depth))) return runs;
+      std::vector<int> prompt = prompts.make(test.name + " warm-up " + depth_text(depth), test.prompt_len);
       runs.push_back(measure(target, test.name, depth, -1, prompt, test.gen, nullptr, hooks).record);
       ++done;
     }
@@ -455,7 +478,7 @@ json::Array run_tests(BenchTarget& target, const BenchPlan& plan, const BenchHoo
       std::optional<std::vector<int>> ar;  // the AR run's tokens on this prompt
       for (int depth : test.depths) {
         if (!next(test.name + " round " + std::to_string(round + 1) + "/" +
-                  std::to_string(plan.repeat) + ", depth " + std::to_string(depth))) {
+                  std::to_string(plan.repeat) + ", depth " + depth_text(depth))) {
           return runs;
         }
         Measured run = measure(target, test.name, depth, round, prompt, test.gen,
@@ -512,7 +535,7 @@ std::string run_bench(BenchTarget& target, const std::string& bundle_dir, const 
        json::Object{
            {"pp", int_array(plan.pp)},
            {"tg", int_array(plan.tg)},
-           {"depths", int_array(plan.depths)},
+           {"depths", depths_array(plan.depths)},
            {"repeat", plan.repeat},
            {"tg_prompt", plan.tg_prompt},
            {"acceptance_oracle", nullptr},

@@ -1,7 +1,7 @@
 // bench_test: run_bench over a deterministic fake target, and the hashes and prompts it uses,
 // for tests/test_apps_bench.py to compare with runtime/bench.py and hashlib.
 //
-//   bench_test run --bundle DIR [--pp 16,300] [--tg 8] [--depths 0,1,2] [--repeat 2]
+//   bench_test run --bundle DIR [--pp 16,300] [--tg 8] [--depths 0,1,2,auto] [--repeat 2]
 //                  [--tg-prompt 12] [--seed 0] [--max-context 256] [--max-draft 3]
 //                  [--vocab 500] [--stop-ids 1,2] [--no-drafter] [--fail-calls 3,9]
 //                  [--mismatch-depth 2] [--stop-after N] [--battery]
@@ -26,6 +26,17 @@
 namespace {
 
 using edgemtp::Error;
+
+std::vector<int> parse_depths(const std::string& text) {
+  std::vector<int> values;
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    if (item == "auto") values.push_back(edgemtp::kAutoDepth);
+    else if (!item.empty()) values.push_back(std::stoi(item));
+  }
+  return values;
+}
 
 std::vector<int> parse_ints(const std::string& text) {
   std::vector<int> values;
@@ -63,15 +74,17 @@ class FakeTarget : public edgemtp::BenchTarget {
   edgemtp::GenerateStats generate(const std::vector<int>& prompt,
                                   const edgemtp::GenerateOptions& options) override {
     int call = calls++;
-    // what bench.py asks of a run: a fresh cache, greedy, a pinned depth, no stop ids
+    // what bench.py asks of a run: a fresh cache, greedy, no stop ids; at depth auto
+    // (kAutoDepth) the fake drafts (call + round) % (max draft + 1) and times itself as depth 1
     if (!reset_since_generate) throw Error("fake: generate without a reset before it");
     reset_since_generate = false;
     if (!options.sampling.greedy()) throw Error("fake: sampling is not greedy");
-    if (options.depth < 0) throw Error("fake: the depth is not pinned");
     if (options.stop_ids != std::vector<int>{-1}) throw Error("fake: stop ids are not disabled");
     if (fail_calls.count(call)) throw Error("fake runner: call " + std::to_string(call) + " failed");
 
-    int n = options.max_new_tokens, depth = options.depth;
+    int n = options.max_new_tokens;
+    const bool autodepth = options.depth == edgemtp::kAutoDepth;
+    int depth = autodepth ? 1 : options.depth;
     long long base = 0;
     for (int id : prompt) base += id;
     edgemtp::GenerateStats stats;
@@ -79,14 +92,15 @@ class FakeTarget : public edgemtp::BenchTarget {
     for (int i = 0; i < n; ++i) {
       stats.tokens.push_back(static_cast<int>((base + 7LL * i) % bundle.vocab_size));
     }
-    if (depth == mismatch_depth && n > 1) {
+    if (!autodepth && depth == mismatch_depth && n > 1) {
       stats.tokens.back() = (stats.tokens.back() + 1) % bundle.vocab_size;
     }
     stats.ttft_s = 0.001 * static_cast<double>(prompt.size()) * (1 + 0.01 * (call % 7));
     stats.decode_s = n > 1 ? 0.01 * (n - 1) / (1 + 0.5 * depth) * (1 + 0.01 * (call % 5)) : 0.0;
     int remaining = n - 1;
     for (int round = 0; remaining > 0; ++round) {
-      int drafted = std::min(depth, remaining - 1);
+      int wanted = autodepth ? (call + round) % (bundle.shapes.max_draft + 1) : depth;
+      int drafted = std::min(wanted, remaining - 1);
       int accepted = (call + round) % (drafted + 1);
       stats.rounds.emplace_back(drafted, accepted);
       remaining -= accepted + 1;
@@ -129,7 +143,7 @@ int run(const std::vector<std::string>& args) {
     if (flag == "--bundle") bundle_dir = value;
     else if (flag == "--pp") plan.pp = parse_ints(value);
     else if (flag == "--tg") plan.tg = parse_ints(value);
-    else if (flag == "--depths") plan.depths = parse_ints(value);
+    else if (flag == "--depths") plan.depths = parse_depths(value);
     else if (flag == "--repeat") plan.repeat = std::stoi(value);
     else if (flag == "--tg-prompt") plan.tg_prompt = std::stoi(value);
     else if (flag == "--seed") plan.seed = std::stoull(value);

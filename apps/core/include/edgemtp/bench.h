@@ -13,10 +13,14 @@
 
 namespace edgemtp {
 
+// A plan's depth for the adaptive policy (`--mtp auto`): the Engine's AdaptiveDepth, which
+// keeps what it learns across the bench's runs; its records say "auto".
+inline constexpr int kAutoDepth = -1;
+
 struct BenchPlan {
   std::vector<int> pp{128, 512};  // prompt lengths of the prefill tests
   std::vector<int> tg{128};       // generated tokens of the decode tests
-  std::vector<int> depths{0, 1, 2, 3};
+  std::vector<int> depths{0, 1, 2, 3};  // pinned (0 = AR) or kAutoDepth
   int repeat = 5;
   int tg_prompt = 64;  // prompt length of the decode tests
   uint64_t seed = 0;   // of the prompts
