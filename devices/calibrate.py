@@ -51,6 +51,16 @@ def _median_seconds(run: Callable[[], object], repeat: int) -> list[float]:
     return times
 
 
+def _interleaved_medians(calls: Sequence[Callable[[], object]], rounds: int) -> list[float]:
+    """Median seconds of each call, timed in turn round after round (so that the host's drift
+    falls on all of them alike)."""
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, out in zip(calls, times, strict=True):
+            out += _median_seconds(call, 1)[:1]
+    return [statistics.median(t) for t in times]
+
+
 def _xnnpack_program(module: torch.nn.Module, *inputs: torch.Tensor) -> Any:
     """`module` lowered to XNNPACK as export lowers the bundles, loaded for this process."""
     from executorch.extension.pybindings import portable_lib
@@ -169,11 +179,7 @@ def attention_rates(
     `ATTENTION_SHAPES`, interleaved (median of each)."""
     shapes = ATTENTION_QUICK if quick else ATTENTION_SHAPES
     calls = [make(attention_inputs(*shape)) for shape in shapes]
-    times: list[list[float]] = [[] for _ in shapes]
-    for _ in range(5 if quick else 25):
-        for call, out in zip(calls, times, strict=True):
-            out += _median_seconds(call, 1)[:1]
-    return fit_attention(shapes, [statistics.median(t) for t in times])
+    return fit_attention(shapes, _interleaved_medians(calls, 5 if quick else 25))
 
 
 def fit_attention(
@@ -223,12 +229,8 @@ def portable_ns_per_element(quick: bool = False) -> float:
         inputs = (torch.full((slots,), -1), torch.arange(rows) % slots, torch.arange(rows))
         program = _xnnpack_program(SlotBookkeeping(), *inputs)
         calls.append(lambda p=program, x=inputs: p.forward(x))
-    times: list[list[float]] = [[], []]
-    for _ in range(5 if quick else 25):
-        for call, out in zip(calls, times, strict=True):
-            out += _median_seconds(call, 1)[:1]
-    extra = statistics.median(times[0]) - statistics.median(times[1])
-    return max(extra / (2 * slots * (many - few)) * 1e9, 1e-3)
+    t_many, t_few = _interleaved_medians(calls, 5 if quick else 25)
+    return max((t_many - t_few) / (2 * slots * (many - few)) * 1e9, 1e-3)
 
 
 # --- ONNX Runtime: the kernels an ONNX bundle's CPU methods run -----------------------------------
@@ -363,12 +365,8 @@ def onnx_ns_per_element(threads: int, quick: bool = False) -> float:
     for rows in (many, few):
         s, x = session(rows), np.ones((rows, width), dtype=np.float32)
         calls.append(lambda s=s, x=x: s.run(None, {"h0": x}))
-    times: list[list[float]] = [[], []]
-    for _ in range(5 if quick else 50):
-        for call, out in zip(calls, times, strict=True):
-            out += _median_seconds(call, 1)[:1]
-    extra = statistics.median(times[0]) - statistics.median(times[1])
-    return max(extra / (length * (many - few) * width) * 1e9, 1e-3)
+    t_many, t_few = _interleaved_medians(calls, 5 if quick else 50)
+    return max((t_many - t_few) / (length * (many - few) * width) * 1e9, 1e-3)
 
 
 def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
