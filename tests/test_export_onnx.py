@@ -24,6 +24,7 @@ from edgemtp.export.onnx import (
     VIEW_NODES,
     WEIGHTS,
     OnnxRunner,
+    flush_denormals,
     lower_onnx,
     qdq_weight_tensors,
 )
@@ -293,6 +294,22 @@ def test_elementwise_elements_are_what_onnx_runtime_computes(exported):
             probe.unlink()
         assert set(written) <= set(values), method
         assert counted[method] == sum(values[v].size for v in written) > 0, method
+
+
+def test_onnx_runtime_runs_with_denormals_flushed_and_the_thread_is_restored():
+    # x * 1: a denormal input reads as zero inside (DAZ), and as itself again afterwards
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "one"], ["y"])], "mul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(np.ones(2, np.float32), "one")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString())
+    x = np.array([1e-39, 1.0], dtype=np.float32)  # 1e-39: below float32's smallest normal
+    with flush_denormals():
+        assert session.run(None, {"x": x})[0].tolist() == [0.0, 1.0]
+    assert session.run(None, {"x": x})[0][0] == np.float32(1e-39)
 
 
 def test_numerics_say_what_is_computed(exported):
