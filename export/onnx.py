@@ -211,7 +211,10 @@ class Graph:
         # small constants (axes, shapes) by value, as inference needs them; weights by type
         small = {n: v for n, v in self.tensors.items() if _nbytes(v) <= INLINE_BYTES}
         given = [n for n in dict.fromkeys([*self.inputs, *self.tensors]) if n not in small]
-        inits = [self._initializer(name, None) for name in small]
+        inits = []
+        for name, value in small.items():
+            elem, dims = known[name]
+            inits.append(TensorProto(name=name, data_type=elem, dims=dims, raw_data=_raw(value)[2]))
         inner = [o for n in self.nodes for o in n.output if o in known and o not in self.outputs]
         graph = helper.make_graph(
             self.nodes,
@@ -230,23 +233,21 @@ class Graph:
                 known[v.name] = (t.elem_type, tuple(dims))
         return known
 
-    def _initializer(self, name: str, weights: WeightFile | None) -> TensorProto:
-        """A tensor's initializer: its bytes inline, or over INLINE_BYTES in `weights`."""
-        value = self.tensors[name]
-        elem, dims = self.types[name]
-        t = TensorProto(name=name, data_type=elem, dims=list(dims))
-        if weights is not None and _nbytes(value) > INLINE_BYTES:
-            offset, length = weights.add(name, value)
-            t.data_location = TensorProto.EXTERNAL
-            for k, v in (("location", WEIGHTS), ("offset", offset), ("length", length)):
-                t.external_data.add(key=k, value=str(v))
-        else:
-            t.raw_data = _raw(value)[2]
-        return t
-
     def model(self, weights: WeightFile | None) -> onnx.ModelProto:
         """The ModelProto; initializers over INLINE_BYTES go to `weights` (external data)."""
-        inits = [self._initializer(name, weights) for name in sorted(self.tensors)]
+        inits = []
+        for name in sorted(self.tensors):
+            value = self.tensors[name]
+            elem, dims = self.types[name]
+            t = TensorProto(name=name, data_type=elem, dims=list(dims))
+            if weights is not None and _nbytes(value) > INLINE_BYTES:
+                offset, length = weights.add(name, value)
+                t.data_location = TensorProto.EXTERNAL
+                for k, v in (("location", WEIGHTS), ("offset", offset), ("length", length)):
+                    t.external_data.add(key=k, value=str(v))
+            else:
+                t.raw_data = _raw(value)[2]
+            inits.append(t)
         info = helper.make_tensor_value_info
         io = {*self.inputs, *self.outputs, *self.tensors}
         inner = [o for n in self.nodes for o in n.output if o not in io and o in self.types]

@@ -487,8 +487,8 @@ def predict(
             # the speed at the mean acceptance, above the median run's when prompts differ.)
             candidates = tuple(range(model.max_draft + 1)) if depth == AUTO else (depth,)
             per_run = []
-            source = f"measured in this bench: {row['test']} depth {depth}"
             for r in _timed(runs, row["test"], depth) or [{"rounds": []}]:
+                source = f"measured in this bench: {row['test']} depth {depth}"
                 acceptance = acceptance_from_rounds(r["rounds"], source)
                 prediction = simulate(
                     model, profile, delegate, candidates, acceptance, plan.tg_prompt, n
