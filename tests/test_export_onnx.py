@@ -198,6 +198,24 @@ def test_drafter_reads_the_target_cache_in_place(exported):
     assert torch.isfinite(out[2]).all()
 
 
+@pytest.mark.parametrize("exported", ["q4_0"], indirect=True)
+def test_outputs_a_caller_holds_survive_the_next_call(exported):
+    """Inputs and outputs are bound once per method; a call returns copies, so what one call
+    returned is untouched by the next, and an input of the wrong shape is refused by name."""
+    runner = OnnxRunner(exported.folder, SHAPES)
+    driver = StaticBackend(runner, exported.target.tables, exported.target.cfg)
+    hidden, _ = driver.prefill(_prompt(), 0)
+    embed = driver.tables.embed(torch.tensor([5, 9]))
+    first = runner.call("draft_step", embed[0], hidden, torch.tensor([len(_prompt())]))
+    kept = [t.clone() for t in first]
+    second = runner.call("draft_step", embed[1], hidden * 2, torch.tensor([len(_prompt()) + 1]))
+    assert all(torch.equal(a, b) for a, b in zip(first, kept, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    name = runner.methods["draft_step"].spec["inputs"][1]["name"]
+    with pytest.raises(ValueError, match=f"draft_step: input {name} has shape"):
+        runner.call("draft_step", embed[0], hidden[:0], torch.tensor([len(_prompt())]))
+
+
 def _initializers(folder: Path, file: str) -> dict[str, np.ndarray]:
     model = onnx.load(str(folder / file))  # external data resolved next to the file
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
