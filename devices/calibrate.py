@@ -10,7 +10,9 @@ What is measured (each a median of several runs, with the threads the runtime wo
   64 x 64 on one row, run in this process: (t201 - t1) / 200; and a program call's own cost;
 - the same linear on four rows (a verify's), where kernels may take another path;
 - ONNX Runtime apart (`[delegates.cpu.backends.onnx]`): its MatMulNBits as ONNX cpu bundles
-  export it (int8 activations) on one, four and 256 rows, its cost per node and per call;
+  export it (int8 activations) on one, four and 256 rows, its cost per node (a decoder layer's
+  mix of nodes between its linears) and per call, and a small MatMulNBits' fixed cost beyond
+  its bytes and its launch;
 - attention as the bundles compute it (XNNPACK and ONNX Runtime): its matmuls' FLOP rate, the
   time per attention score beyond them (mask, softmax, copies) and the rate K/V stream at;
 - ExecuTorch's portable kernels (what no delegate takes: the cache's slot bookkeeping, masks):
@@ -258,10 +260,11 @@ def _ort_session(graph: Any, threads: int) -> Any:
     )
 
 
-def _nbits_linear(k: int, n: int, rows: int, threads: int) -> tuple[Any, float]:
-    """(session, weight bytes) of one MatMulNBits [rows, k] x [k, n], 4-bit, blocks of 32, fp32
-    scales, int8 activations (accuracy level 4): the node an ONNX cpu bundle's 4-bit linears
-    become with export's default `--activations int8`."""
+def _nbits_linear(k: int, n: int, rows: int, threads: int, count: int = 1) -> tuple[Any, float]:
+    """(session, weight bytes of one) of `count` independent MatMulNBits [rows, k] x [k, n]
+    (inputs x0.., outputs y0.., weights of their own), 4-bit, blocks of 32, fp32 scales, int8
+    activations (accuracy level 4): the node an ONNX cpu bundle's 4-bit linears become with
+    export's default `--activations int8`."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper
@@ -269,16 +272,19 @@ def _nbits_linear(k: int, n: int, rows: int, threads: int) -> tuple[Any, float]:
     from edgemtp.export.onnx import INT8_ACCURACY_LEVEL
 
     rng = np.random.default_rng(0)
-    codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
-    scales = (rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMulNBits", ["x", "B", "scales"], ["y"], domain="com.microsoft",
-                          K=k, N=n, bits=4, block_size=32, accuracy_level=INT8_ACCURACY_LEVEL)],
-        "nbits",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
-        [onnx.numpy_helper.from_array(codes, "B"), onnx.numpy_helper.from_array(scales, "scales")],
-    )  # fmt: skip
+    nodes, inputs, outputs, weights = [], [], [], []
+    for i in range(count):
+        codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+        scales = (rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float32)
+        weights += [onnx.numpy_helper.from_array(codes, f"B{i}"),
+                    onnx.numpy_helper.from_array(scales, f"scales{i}")]  # fmt: skip
+        nodes.append(helper.make_node(
+            "MatMulNBits", [f"x{i}", f"B{i}", f"scales{i}"], [f"y{i}"], domain="com.microsoft",
+            K=k, N=n, bits=4, block_size=32, accuracy_level=INT8_ACCURACY_LEVEL,
+        ))  # fmt: skip
+        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [rows, k]))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [rows, n]))
+    graph = helper.make_graph(nodes, "nbits", inputs, outputs, weights)
     return _ort_session(graph, threads), codes.nbytes + scales.nbytes
 
 
@@ -378,49 +384,106 @@ def onnx_ns_per_element(threads: int, quick: bool = False) -> float:
     return max((t_many - t_few) / (length * (many - few) * width) * 1e9, 1e-3)
 
 
-def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
-    """ONNX Runtime's MatMulNBits GEMV bandwidth (one row, past the caches), its throughput on
-    256 rows, and its cost per call and per node (chains of 1 and 201 MatMul nodes of 64 x 64
-    on one row, as `executorch_dispatch_us`)."""
+# What a decoder layer runs between its linears, in ONNX: views, a transposed copy, a split and
+# its concat (rotary halves), scaling, residual adds, norms, the activation, masking, negation.
+DECODER_NODE_MIX = (
+    "Reshape", "Transpose", "Reshape", "Split", "Mul", "Add",
+    "SimplifiedLayerNormalization", "Gelu", "Where", "Neg",
+)  # fmt: skip
+
+
+def _onnx_node_chain(repeats: int, width: int, threads: int) -> tuple[Any, int]:
+    """(session, nodes) of `DECODER_NODE_MIX` repeated `repeats` times on one row of `width`
+    (Split's halves are concatenated back in swapped order, as rotary embedding does)."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
+
+    consts = {
+        "scale": np.full(width, 0.5, dtype=np.float32),
+        "by_head": np.array([1, 4, width // 4]),
+        "flat": np.array([1, width]),
+        "halves": np.array([width // 2, width // 2]),
+        "even": (np.arange(width) % 2 == 0).reshape(1, width),
+    }
+    nodes, x = [], "h0"
+    for i, kind in enumerate(DECODER_NODE_MIX * repeats):
+        y = f"h{i + 1}"
+        if kind == "Reshape":
+            shape = "flat" if nodes and nodes[-1].op_type == "Transpose" else "by_head"
+            nodes.append(helper.make_node(kind, [x, shape], [y]))
+        elif kind == "Transpose":
+            nodes.append(helper.make_node(kind, [x], [y], perm=[0, 2, 1]))
+        elif kind == "Split":
+            nodes.append(helper.make_node(kind, [x, "halves"], [y + "a", y + "b"], axis=-1))
+            nodes.append(helper.make_node("Concat", [y + "b", y + "a"], [y], axis=-1))
+        elif kind in ("Mul", "Add"):
+            nodes.append(helper.make_node(kind, [x, "scale"], [y]))
+        elif kind == "SimplifiedLayerNormalization":
+            nodes.append(helper.make_node(kind, [x, "scale"], [y], axis=-1, epsilon=1e-6))
+        elif kind == "Gelu":
+            nodes.append(helper.make_node(kind, [x], [y], domain="com.microsoft"))
+        elif kind == "Where":
+            nodes.append(helper.make_node(kind, ["even", x, "scale"], [y]))
+        else:
+            nodes.append(helper.make_node(kind, [x], [y]))
+        x = y
+    graph = helper.make_graph(
+        nodes, "decoder_nodes",
+        [helper.make_tensor_value_info("h0", TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, width])],
+        [numpy_helper.from_array(v, k) for k, v in consts.items()],
+    )  # fmt: skip
+    return _ort_session(graph, threads), len(nodes)
+
+
+def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
+    """ONNX Runtime's MatMulNBits GEMV bandwidth (one row, past the caches), its throughput on
+    256 rows, its cost per call and per node (chains of `DECODER_NODE_MIX` on one row of 64,
+    1 and 20 times over), and the fixed cost of one MatMulNBits beyond its bytes and its launch
+    (64 independent 64 x 64 linears on one row against one: their bytes stream in under a
+    microsecond, the rest is the kernel's own setup)."""
+    import numpy as np
 
     k = n = 1024 if quick else 8192
     bandwidth = {}
     for rows in (1, VERIFY_PROBE_ROWS):
         session, weight_bytes = _nbits_linear(k, n, rows, threads)
         x = np.random.default_rng(1).standard_normal((rows, k), dtype=np.float32)
-        times = _median_seconds(lambda s=session, x=x: s.run(None, {"x": x}), 9)
+        times = _median_seconds(lambda s=session, x=x: s.run(None, {"x0": x}), 9)
         bandwidth[rows] = weight_bytes / statistics.median(times) / 1e9
     size, rows = (128, 8) if quick else (1024, 256)
     session, _ = _nbits_linear(size, size, rows, threads)
     x = np.random.default_rng(2).standard_normal((rows, size), dtype=np.float32)
-    times = _median_seconds(lambda: session.run(None, {"x": x}), 3)
+    times = _median_seconds(lambda: session.run(None, {"x0": x}), 3)
     tops = 2 * rows * size * size / statistics.median(times) / 1e12
 
-    def chain(ops: int) -> Any:
-        w = numpy_helper.from_array(np.eye(64, dtype=np.float32) * 0.5, "w")
-        nodes = [helper.make_node("MatMul", [f"h{i}", "w"], [f"h{i + 1}"]) for i in range(ops)]
-        graph = helper.make_graph(
-            nodes, "chain", [helper.make_tensor_value_info("h0", TensorProto.FLOAT, [1, 64])],
-            [helper.make_tensor_value_info(f"h{ops}", TensorProto.FLOAT, [1, 64])], [w],
-        )  # fmt: skip
-        return _ort_session(graph, threads)
+    calls = 20 if quick else 200
+    chains = [_onnx_node_chain(repeats, 64, threads) for repeats in (1, 20)]
+    feed = {"h0": np.ones((1, 64), dtype=np.float32)}
+    rounds = 5 if quick else 9
+    per_call = _interleaved_medians(
+        [lambda s=s: [s.run(None, feed) for _ in range(calls)] for s, _ in chains], rounds
+    )
+    (_, few), (_, many) = chains
+    per_node = (per_call[1] - per_call[0]) / calls / (many - few)
 
-    x = np.zeros((1, 64), dtype=np.float32)
-    calls = 50 if quick else 2000
-    per_call = {}
-    for ops in (1, 201):
-        session = chain(ops)
-        times = _median_seconds(lambda s=session: [s.run(None, {"h0": x}) for _ in range(calls)], 5)
-        per_call[ops] = statistics.median(times) / calls
-    per_node = (per_call[201] - per_call[1]) / 200
+    linears = 8 if quick else 64
+    sessions = [_nbits_linear(64, 64, 1, threads, count) for count in (1, linears)]
+    inputs = [{f"x{i}": np.ones((1, 64), np.float32) for i in range(c)} for c in (1, linears)]
+    per_call_linears = _interleaved_medians(
+        [lambda s=s, f=f: [s.run(None, f) for _ in range(calls // 4)]
+         for (s, _), f in zip(sessions, inputs, strict=True)],
+        rounds,
+    )  # fmt: skip
+    per_linear = (per_call_linears[1] - per_call_linears[0]) / (calls // 4) / (linears - 1)
+    streaming = sessions[0][1] / (bandwidth[1] * 1e9)
     return {
         "memory_bandwidth_gbs": bandwidth[1],
         "verify_bandwidth_gbs": bandwidth[VERIFY_PROBE_ROWS],
         "int8_tops": tops,
         "dispatch_us": max(per_node * 1e6, 0.01),
-        "call_us": max((per_call[1] - per_node) * 1e6, 0.0),
+        "call_us": max((per_call[0] / calls - few * per_node) * 1e6, 0.0),
+        "linear_us": max((per_linear - streaming - per_node) * 1e6, 0.0),
     }
 
 
@@ -691,10 +754,18 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         + _entry(ort["verify_bandwidth_gbs"], src, f"the same MatMulNBits on "
                  f"{VERIFY_PROBE_ROWS} rows (ONNX Runtime takes another path above one row)"),
         "dispatch_us = "
-        + _entry(ort["dispatch_us"], src, "ONNX Runtime, per node: sessions of 1 and 201 chained "
-                 "64x64 MatMul nodes on one row, (t201 - t1) / 200"),
+        + _entry(ort["dispatch_us"], src, "ONNX Runtime, per node: sessions running a "
+                 f"decoder layer's node mix ({', '.join(DECODER_NODE_MIX)}, Split with its "
+                 "Concat) on one row of 64, 1 and 20 times over, time difference / node "
+                 "difference, median of interleaved rounds"),
         "call_us = "
-        + _entry(ort["call_us"], src, "ONNX Runtime session.run of one node, less the node"),
+        + _entry(ort["call_us"], src, "ONNX Runtime session.run of the one-mix session, less "
+                 "its nodes"),
+        "linear_us = "
+        + _entry(ort["linear_us"], src, "ONNX Runtime MatMulNBits beyond its weight bytes (at "
+                 "memory_bandwidth_gbs) and its launch (dispatch_us): sessions of 64 and 1 "
+                 "independent 64 x 64 linears on one row, per linear, median of interleaved "
+                 "rounds"),
         *_attention_lines(ort_attention, src, "ONNX Runtime"),
         "ns_per_element = "
         + _entry(ort_elements, src, "ONNX Runtime's non-matmul nodes: a chain of 24 (Mul, Add, "

@@ -48,6 +48,9 @@ What the fields mean (the simulator relies on these definitions):
   - `ns_per_element` (optional): time per element the unit's kernels other than matmuls write
     (norms, activations, adds, copies), for bundles that record them per method (ONNX).
     Absent: free.
+  - `linear_us` (optional): fixed time of one linear kernel beyond streaming its weights and
+    its launch (a kernel's per-call setup: quantizing the activation row, its workspace), for
+    bundles that count their linear kernels per method (ONNX). Absent: free.
   - `[delegates.X.backends.Y]` (optional): `memory_bandwidth_gbs`, `dispatch_us`, `call_us`,
     `host_*`, the attention numbers and `peak_tops` as the kernels of backend Y (executorch,
     onnx, coreml) run on this unit, where they were measured apart; a bundle of backend Y is
@@ -83,14 +86,14 @@ _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispa
 _DELEGATE_OPTIONAL_NUMBERS = (
     "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "call_us",
     "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
-    "ns_per_portable_element", "ns_per_element",
+    "ns_per_portable_element", "ns_per_element", "linear_us",
 )  # fmt: skip
 BACKENDS = ("executorch", "onnx", "coreml")
 # what a [delegates.X.backends.Y] section may replace for bundles of backend Y
 _BACKEND_NUMBERS = (
     "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
     "host_ns_per_logit", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
-    "ns_per_element",
+    "ns_per_element", "linear_us",
 )  # fmt: skip
 _FIX = "see the field conventions at the top of devices/profiles.py"
 
@@ -117,6 +120,7 @@ class DelegateProfile:
     ns_per_score: float | None = None
     ns_per_portable_element: float | None = None
     ns_per_element: float | None = None
+    linear_us: float | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def for_backend(self, backend: str | None) -> DelegateProfile:
@@ -327,6 +331,7 @@ class _Parser:
             ns_per_score=optional.get("ns_per_score"),
             ns_per_portable_element=optional.get("ns_per_portable_element"),
             ns_per_element=optional.get("ns_per_element"),
+            linear_us=optional.get("linear_us"),
             backends=self.backends(table.get("backends", {}), prefix),
         )
 

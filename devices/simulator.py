@@ -80,6 +80,7 @@ class Model:
     backend: str | None = None  # a bundle's: selects the profile's numbers for that backend
     portable: dict[str, int] = field(default_factory=dict)  # method -> portable elements per call
     elementwise: dict[str, int] = field(default_factory=dict)  # method -> non-matmul elements
+    linears: dict[str, int] = field(default_factory=dict)  # method -> linear kernels, where counted
 
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
@@ -215,12 +216,13 @@ def call_terms(
     launches: int,
     portable: int = 0,
     elementwise: int = 0,
+    linears: int = 0,
 ) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
     streamed, or FLOPs in the compute dtype), the attention's (K/V streamed, or FLOPs in the
     activation dtype) plus its scores' time, the `portable` elements fallback kernels write,
     the `elementwise` elements its other non-matmul kernels write (where the bundle counts
-    them), and dispatch."""
+    them), dispatch, and the fixed cost of each of its `linears` kernels (where counted)."""
     bandwidth = unit.memory_bandwidth_gbs
     if unit.verify_bandwidth_gbs and 2 <= work.rows <= VERIFY_ROWS:
         bandwidth = unit.verify_bandwidth_gbs
@@ -236,6 +238,7 @@ def call_terms(
     scores = work.scores * (unit.ns_per_score or 0.0) * 1e-9
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
     dispatch = ((unit.call_us or 0.0) + dispatches * unit.dispatch_us) * 1e-6
+    dispatch += linears * (unit.linear_us or 0.0) * 1e-6
     elements = portable * (unit.ns_per_portable_element or 0.0) * 1e-9
     elements += elementwise * (unit.ns_per_element or 0.0) * 1e-9
     seconds = max(weights, linear) + max(kv, attention) + scores + elements + dispatch
@@ -255,9 +258,14 @@ def _launches(model: Model, method: str, layers: int) -> int:
     return model.launches.get(method) or OPS_PER_LAYER * layers
 
 
-def _elements(model: Model, method: str) -> tuple[int, int]:
-    """(portable, other non-matmul) elements one call of `method` writes, as its bundle says."""
-    return model.portable.get(method, 0), model.elementwise.get(method, 0)
+def _kernel_counts(model: Model, method: str) -> tuple[int, int, int]:
+    """(portable, other non-matmul) elements one call of `method` writes, and its linear
+    kernels, as its bundle says."""
+    return (
+        model.portable.get(method, 0),
+        model.elementwise.get(method, 0),
+        model.linears.get(method, 0),
+    )
 
 
 def simulate(
@@ -300,8 +308,8 @@ def simulate(
         work = forward_work(cfg, rows, int(last), int(last), bits, model.cache_keys())
         method = "prefill_final" if last else "prefill_intermediate"
         owned = layers if last else cfg.first_shared_layer
-        launches, elements = _launches(model, method, owned), _elements(model, method)
-        prefill += call_terms(work, unit, dtype, launches, *elements) + _host(host_call)
+        launches, counts = _launches(model, method, owned), _kernel_counts(model, method)
+        prefill += call_terms(work, unit, dtype, launches, *counts) + _host(host_call)
     prefill_s = prefill.seconds
 
     middle = prompt + gen // 2
@@ -311,8 +319,8 @@ def simulate(
         head = model.full_drafter_head
         step = draft_work(model.drafter, cfg, middle, bits, model.cache_keys(middle), head)
         n = model.drafter.text.num_layers
-        launches, elements = _launches(model, "draft_step", n), _elements(model, "draft_step")
-        draft = call_terms(step, unit, dtype, launches, *elements)
+        launches, counts = _launches(model, "draft_step", n), _kernel_counts(model, "draft_step")
+        draft = call_terms(step, unit, dtype, launches, *counts)
         terms["draft_step"] = draft = draft + _host(host_call + choose)
     draft_s = draft.seconds
     round_s: dict[int, float] = {}
@@ -320,8 +328,8 @@ def simulate(
         method, rows = model.verify(k)
         keys = model.cache_keys(middle + rows)
         verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
-        elements = _elements(model, method)
-        call = call_terms(verify, unit, dtype, _launches(model, method, layers), *elements)
+        counts = _kernel_counts(model, method)
+        call = call_terms(verify, unit, dtype, _launches(model, method, layers), *counts)
         terms[f"verify_{k}"] = call + _host(host_call + (k + 1) * choose)
         round_s[k] = terms[f"verify_{k}"].seconds + k * draft_s
     expected = {k: acceptance.expected_tokens(k) for k in depths}
@@ -357,7 +365,8 @@ def simulate(
             if model.backend in device.delegates[delegate].backends
             else f"the profile's {delegate} delegate",
             "dispatch": f"{unit.call_us or 0} us per call + {unit.dispatch_us} us per "
-            f"{unit.dispatch_unit}",
+            f"{unit.dispatch_unit}"
+            + (f" + {unit.linear_us} us per linear kernel" if unit.linear_us else ""),
             "attention": f"{unit.attention_tops} TFLOPS, {unit.ns_per_score} ns per score, "
             f"K/V at {unit.attention_bandwidth_gbs} GB/s"
             if unit.attention_tops is not None
@@ -426,6 +435,10 @@ def model_from_bundle(bundle: Path) -> Model:
             if isinstance(d, dict) and "portable_elements" in d
         },
         {k: int(v) for k, v in manifest["backend_details"].get("elementwise_elements", {}).items()},
+        {  # ONNX Runtime's 4-bit linear kernel (the one `linear_us` is measured on)
+            name: counts.get("MatMulNBits", 0)
+            for name, counts in manifest["backend_details"].get("ops", {}).items()
+        },
     )
 
 

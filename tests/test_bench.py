@@ -173,6 +173,34 @@ def test_decode_prediction_is_the_median_over_runs_at_each_runs_acceptance(repor
     assert mine > 1.2 * pooled.decode_tok_s[2]
 
 
+def test_the_onnx_bundles_linear_kernels_are_priced_each(bundle, profile):
+    """The simulator counts each method's MatMulNBits nodes (as the graphs hold them) and adds
+    the profile's `linear_us` once per node to that method's call."""
+    from dataclasses import replace
+
+    import onnx
+
+    from edgemtp.devices.profiles import load_profile
+    from edgemtp.devices.simulator import Acceptance, model_from_bundle, simulate
+
+    model, device = model_from_bundle(bundle), load_profile(str(profile))
+    for method in ("verify_0", "draft_step", "prefill_final"):
+        graph = onnx.load(bundle / "onnx" / f"{method}.onnx", load_external_data=False).graph
+        nodes = sum(n.op_type == "MatMulNBits" for n in graph.node)
+        assert model.linears[method] == nodes > 0, method
+    cpu = device.delegates["cpu"]
+
+    def verify_seconds(linear_us: float) -> float:
+        onnx_numbers = {**cpu.backends["onnx"], "linear_us": linear_us}
+        unit = replace(cpu, backends={"onnx": onnx_numbers})
+        priced = replace(device, delegates={**device.delegates, "cpu": unit})
+        out = simulate(model, priced, "cpu", (0,), Acceptance((0.5,), "by hand"), 32, TG)
+        return out.terms["verify_0"].seconds
+
+    added = verify_seconds(10.0) - verify_seconds(0.0)
+    assert added == pytest.approx(model.linears["verify_0"] * 10e-6)
+
+
 def test_auto_row_reports_the_depths_the_policy_chose(report):
     _, doc = report
     (row,) = [r for r in doc["summary"] if r["depth"] == "auto"]

@@ -168,6 +168,11 @@ def test_attention_is_priced_after_the_linears_with_its_own_rates():
     elementwise = replace(fallback, ns_per_element=0.5)
     terms = call_terms(work, elementwise, "int8", 10, portable=100_000, elementwise=2_000_000)
     assert terms.seconds == pytest.approx(0.010 + 0.004 + 0.002 + 0.003 + 0.001 + 20e-6)
+    # and 30 linear kernels at 5 us each beyond their bytes and launch: 150 us more
+    linear = replace(elementwise, linear_us=5.0)
+    terms = call_terms(work, linear, "int8", 10, 100_000, 2_000_000, linears=30)
+    assert terms.seconds == pytest.approx(0.010 + 0.004 + 0.002 + 0.003 + 0.001 + 170e-6)
+    assert terms.dispatch_s == pytest.approx(170e-6)
     # without them: K/V at the memory bandwidth (2 ms), attention FLOPs at fp32's 0.25 TFLOPS
     # (0.8 ms), scores free
     assert call_seconds(work, _unit(), "int8", 10) == pytest.approx(0.010 + 0.002 + 20e-6)
@@ -320,7 +325,7 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     attention = {"attention_tops", "ns_per_score", "attention_bandwidth_gbs"}
     assert set(cpu.backends["onnx"]) == {
         "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "peak_tops",
-        "ns_per_element", *attention,
+        "ns_per_element", "linear_us", *attention,
     }  # fmt: skip
     for unit in (cpu, onnx):
         assert all(getattr(unit, name) > 0 for name in attention)
