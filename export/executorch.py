@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.bundle import Lowered, Progress
-from edgemtp.export.exportable import ExportRMSNorm, make_exportable
+from edgemtp.export.exportable import ArithmeticMaskTarget, ExportRMSNorm, make_exportable
 from edgemtp.export.lower import (
     backend_config,
     delegation_summary,
@@ -48,7 +48,7 @@ from edgemtp.export.lower import (
 )
 from edgemtp.export.static import StaticBundle, method_kind
 from edgemtp.export.weights import Int4Weight, int4_of
-from edgemtp.model.gemma4 import ClusteredHead
+from edgemtp.model.gemma4 import ClusteredHead, Gemma4Target
 
 PROGRAM = "model.pte"
 COREML_UNITS = {"metal": "CPU_AND_GPU", "npu": "CPU_AND_NE"}
@@ -350,7 +350,9 @@ def xnnpack_forms(model: nn.Module, role: str = "") -> dict[str, Any]:
     the reference engine compute the program's numerics in eager PyTorch."""
     make_exportable(model)
     for path, module in list(model.named_modules()):
-        if type(module) is ExportRMSNorm:
+        if type(module) is Gemma4Target:
+            module.__class__ = ArithmeticMaskTarget
+        elif type(module) is ExportRMSNorm:
             d = _norm_dim(model, path, module)
             module.__class__ = LinearMeanRMSNorm
             module.register_buffer("mean_weight", torch.full((1, d), 1.0 / d), persistent=False)

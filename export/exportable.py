@@ -11,7 +11,8 @@ the same functions with delegated ops only:
 - attention: the boolean mask becomes an additive mask once per mask tensor, and grouped-query
   attention is batched matmuls over KV groups (no K/V repeat), per segment: the cache and the
   new rows are never concatenated. No row is ever fully masked in the static programs (see
-  `static.py`), so the additive form equals the boolean one.
+  `static.py`), so the additive form equals the boolean one. XNNPACK programs build that
+  additive mask from the positions with float arithmetic (`ArithmeticMaskTarget`).
 
 Numerics differ from the eager reference only by float rounding.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from edgemtp.model.gemma4 import Attention, RMSNorm, apply_rope
+from edgemtp.model.gemma4 import Attention, Gemma4Target, RMSNorm, apply_rope
 
 _ADDITIVE: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -32,13 +33,53 @@ def clear_mask_memo() -> None:
 
 
 def additive_mask(mask: Tensor) -> Tensor:
-    """0 where `mask` attends, -inf elsewhere; converted once per mask tensor."""
+    """0 where `mask` attends, -inf elsewhere; converted once per mask tensor. A float mask is
+    additive already (`ArithmeticMaskTarget`)."""
+    if mask.is_floating_point():
+        return mask
     hit = _ADDITIVE.get(id(mask))
     if hit is not None and hit[0] is mask:
         return hit[1]
     out = torch.where(mask, 0.0, float("-inf"))
     _ADDITIVE[id(mask)] = (mask, out)
     return out
+
+
+BLOCKED = -1e30  # a blocked key's additive mask: exp(score + BLOCKED - row max) is exactly 0
+
+
+def _positive_part(x: Tensor) -> Tensor:
+    """max(x, 0) as (x + |x|) / 2: exact on whole numbers, and no clamp or relu, which would
+    make XNNPACK run its whole preprocessing pipeline on the partition (`export/lower.py`)."""
+    return (x + x.abs()) * 0.5
+
+
+def additive_target_mask(q_pos: Tensor, kv_pos: Tensor, window: int | None) -> Tensor:
+    """`target_mask` as an additive float mask from arithmetic on the positions (subtractions,
+    `_positive_part`s, adds and a scale: XNNPACK operators) instead of comparisons, logical
+    ands and a `where` over [rows, keys], which ExecuTorch runs in its portable kernels at
+    ~10 ns per element: a third of a prefill chunk of the embedded demo. 0 where a row
+    attends; elsewhere each violated condition adds how far past it the key is (>= 1) times
+    `BLOCKED`. Positions are exact as floats below 2^24, and the sum stays finite."""
+    keys = kv_pos.float()[None, :]
+    ahead = q_pos.float()[:, None] - keys  # >= 0: the key is at or before the row
+    blocked = _positive_part(-ahead) + _positive_part(-keys)  # a future key, an empty slot (-1)
+    if window is not None:
+        blocked = blocked + _positive_part(ahead - (window - 1))  # out of the window
+    return blocked * BLOCKED
+
+
+class ArithmeticMaskTarget(Gemma4Target):
+    """The target with additive float masks (`additive_target_mask`): what XNNPACK programs
+    compute. The bool masks stay where a consumer needs them (Core ML's attention, the htp
+    delegate's Q/DQ pass, which leaves -inf scores in float)."""
+
+    def masks(self, positions: Tensor, kv_pos: dict[str, Tensor]) -> dict[str, Tensor]:
+        window = self.cfg.sliding_window
+        return {
+            kind: additive_target_mask(positions, keys, window if kind == "sliding" else None)
+            for kind, keys in kv_pos.items()
+        }
 
 
 class ExportRMSNorm(RMSNorm):

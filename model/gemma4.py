@@ -256,6 +256,14 @@ class Gemma4Target(nn.Module):
     def rope(self, kind: str, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(positions, getattr(self, f"{kind}_inv_freq"))
 
+    def masks(self, positions: Tensor, kv_pos: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Per attention kind, which keys (at `kv_pos`) the rows at `positions` attend to."""
+        window = self.cfg.sliding_window
+        return {
+            kind: target_mask(positions, keys, window if kind == "sliding" else None)
+            for kind, keys in kv_pos.items()
+        }
+
     def per_layer_inputs(self, embeds: Tensor, token_ple: Tensor | None) -> Tensor | None:
         """Combine the context projection of the embeddings with the token-identity rows."""
         if not self.cfg.hidden_size_per_layer_input:
@@ -284,10 +292,7 @@ class Gemma4Target(nn.Module):
         h = embeds
         kinds = sorted(set(cfg.layer_types))
         kv_pos = {k: torch.cat([cache.positions(k), positions]) for k in kinds}
-        masks = {
-            k: target_mask(positions, kv_pos[k], cfg.sliding_window if k == "sliding" else None)
-            for k in kinds
-        }
+        masks = self.masks(positions, kv_pos)
         ropes = {k: self.rope(k, positions) for k in kinds}
         shared: dict[int, tuple[Tensor, Tensor]] = {}
         new_kv: dict[int, tuple[Tensor, Tensor]] = {}

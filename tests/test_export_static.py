@@ -7,9 +7,11 @@ import torch
 from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 
 from edgemtp.export.driver import EagerRunner
+from edgemtp.export.exportable import BLOCKED, ArithmeticMaskTarget, additive_target_mask
 from edgemtp.export.lower import export_methods, ops_per_layer
 from edgemtp.export.static import StaticBundle, StaticShapes, auto_context_buckets
 from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.model.gemma4 import target_mask
 from edgemtp.model.synth import write_preset
 from edgemtp.runtime.backends import StaticBackend, prefill
 from edgemtp.runtime.generate import generate
@@ -58,6 +60,33 @@ def test_static_eager_matches_reference_tokens(reference, static, depth):
     assert got.calls["prefill_intermediate"] == 2 and got.calls["prefill_final"] == 1
     if depth:
         assert got.drafted == ref.metrics()["drafted"]
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_arithmetic_mask_blocks_exactly_what_the_bool_mask_blocks(window):
+    # rows at 30..37 over slots holding past, current, future and empty (-1) positions
+    rows = torch.arange(30, 38)
+    keys = torch.tensor([-1, 0, 5, 13, 14, 15, 21, 29, 30, 33, 37, 38, 60, -1])
+    attends = target_mask(rows, keys, window)
+    additive = additive_target_mask(rows, keys, window)
+    assert torch.equal(additive == 0, attends)
+    assert (additive[~attends] <= BLOCKED).all() and additive.isfinite().all()
+    # the softmax over masked scores is the -inf form's, exactly
+    scores = torch.randn(rows.shape[0], keys.shape[0]) * 30
+    ref = torch.softmax(scores.masked_fill(~attends, float("-inf")), dim=-1)
+    assert torch.equal(torch.softmax(scores + additive, dim=-1), ref)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_arithmetic_masks_decode_the_reference_tokens(reference, paths, depth):
+    target, drafter = _load(paths)
+    bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
+    bundle.target.target.__class__ = ArithmeticMaskTarget  # as XNNPACK programs compute
+    backend = StaticBackend(EagerRunner(bundle), target.tables, target.cfg)
+    ref_target, ref_drafter = reference
+    ref = generate(ref_target, _prompt(), N_NEW, drafter=ref_drafter, mtp_depth=depth,
+                   prefill_chunk=8)  # fmt: skip
+    assert greedy(backend, _prompt(), N_NEW, depth).tokens == ref.tokens
 
 
 @pytest.mark.parametrize("n", [1, 8, 13])
