@@ -59,16 +59,18 @@ def register_rope(module: nn.Module, cfg: TextConfig) -> None:
 
 
 def rope_cos_sin(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin [T, 1, head_dim], shaped once to broadcast over every layer's heads (an
+    exported program would otherwise copy them into that shape in every layer)."""
     freqs = positions[:, None].float() * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos + rotated * sin
 
 
 def target_mask(q_pos: Tensor, kv_pos: Tensor, window: int | None) -> Tensor:

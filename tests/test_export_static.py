@@ -9,7 +9,7 @@ from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 from edgemtp.export.driver import EagerRunner
 from edgemtp.export.exportable import BLOCKED, ArithmeticMaskTarget, additive_target_mask
 from edgemtp.export.lower import export_methods, ops_per_layer
-from edgemtp.export.static import StaticBundle, StaticShapes, auto_context_buckets
+from edgemtp.export.static import StaticBundle, StaticCache, StaticShapes, auto_context_buckets
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.gemma4 import target_mask
 from edgemtp.model.synth import write_preset
@@ -87,6 +87,27 @@ def test_arithmetic_masks_decode_the_reference_tokens(reference, paths, depth):
     ref = generate(ref_target, _prompt(), N_NEW, drafter=ref_drafter, mtp_depth=depth,
                    prefill_chunk=8)  # fmt: skip
     assert greedy(backend, _prompt(), N_NEW, depth).tokens == ref.tokens
+
+
+def test_slot_positions_are_what_writing_each_row_in_turn_gives(reference):
+    """The cache's slot positions after a sequence of calls (chunks, a left-padded final
+    chunk, verifies, rollbacks, wrapping the sliding ring several times) equal a plain loop's:
+    truncate every slot at or past the call's first position, then write each row in turn."""
+    cfg = reference[0].cfg
+    cache = StaticCache(cfg, SHAPES.max_context, SHAPES.max_draft)
+    expected = {kind: [-1] * (n + 1) for kind, n in cache.slots.items()}
+    calls = [(0, 8, 0), (8, 5, 3), (13, 3, 0), (14, 1, 0), (15, 3, 1), (17, 8, 0), (20, 2, 0)]
+    calls += [(22 + 3 * i, 3, i % 3) for i in range(20)]  # past the 16-token window, twice
+    for start, rows, pads in calls:
+        end = start + rows
+        positions = torch.cat([torch.full((pads,), end), torch.arange(start, end)])
+        cache.write(cache.view(truncate_at=positions.min()), {}, positions)
+        for kind, n in cache.slots.items():
+            slots = expected[kind]
+            slots[:] = [-1 if p >= start else p for p in slots]
+            for p in range(start, start + rows):
+                slots[p % n] = p
+            assert cache.pos(kind).tolist() == slots, (kind, start, rows, pads)
 
 
 @pytest.mark.parametrize("n", [1, 8, 13])
