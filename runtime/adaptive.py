@@ -8,7 +8,8 @@ come from the rounds this session has run: acceptance as decayed counts with a p
 the fastest of the recent rounds per verify shape (a static bundle verifies every k >= 1 with
 the same method; the reference engine's cost grows with the rows). The policy starts with two
 rounds at depth 1 and two at 0 (`WARMUP`), then picks argmax E_k / T_k every round; a depth it
-has not measured is estimated from the nearest measured shape, and measured once chosen.
+has not measured lately is estimated from the nearest shape measured lately, and measured again
+once chosen.
 
 Re-evaluation is built in: every round decays the acceptance counts toward the prior, so a
 policy that settled on AR because the drafter disagreed probes a draft again after a while (the
@@ -31,6 +32,13 @@ from edgemtp.runtime.generate import Step
 # nearly the whole cost of adaptive mode.
 WARMUP = (1, 0, 1, 0)
 HISTORY = 7  # recent samples whose fastest is a cost
+# Rounds after which a cost sample no longer counts. Costs drift (the context grows, other apps
+# come and go) and only the shape a round runs is measured: with samples of any age, a shape
+# left alone kept a cost from another time. A drafter that never agreed was tried in up to 58
+# of 195 rounds here: AR, last measured in a slow second, looked dearer than drafting measured
+# since, until AR was run again, which it never was. A stale shape borrows the cost of the
+# nearest shape measured lately and, if that makes it win, is measured again.
+MAX_AGE = 16
 
 
 def expected_committed(acceptance: Iterable[float]) -> float:
@@ -59,8 +67,9 @@ class AdaptiveDepth:
         self.prior = (prior_accept, prior_trials)
         self.trials = [0.0] * (max_depth + 1)  # index i >= 1: draft i was checked
         self.accepts = [0.0] * (max_depth + 1)
-        self.draft_s: deque[float] = deque(maxlen=HISTORY)
-        self.verify_s: dict[str, deque[float]] = {}
+        # (round observed, seconds) samples
+        self.draft_s: deque[tuple[int, float]] = deque(maxlen=HISTORY)
+        self.verify_s: dict[str, deque[tuple[int, float]]] = {}
         self.rounds = 0
         self.last_estimate: dict[int, float] = {}  # depth -> expected tokens/s at the last choice
 
@@ -86,31 +95,35 @@ class AdaptiveDepth:
     def expected_tokens(self, k: int) -> float:
         return expected_committed(self.acceptances(k))
 
-    def _cost(self, samples: deque[float]) -> float:
-        # The fastest recent round: other load on the machine and a method's one-off set-up on
-        # its first call only ever add time. A median let a busy minute make AR look slower
-        # than depth 1 (40 of 196 rounds drafted with a drafter that never agrees, seen in CI).
-        return min(samples)
+    def _cost(self, samples: Iterable[tuple[int, float]]) -> float | None:
+        """The fastest round among the samples younger than MAX_AGE rounds (None if none is):
+        other load on the machine and a method's one-off set-up on its first call only ever add
+        time. A median let a busy minute make AR look slower than depth 1."""
+        fresh = [s for r, s in samples if self.rounds - r < MAX_AGE]
+        return min(fresh) if fresh else None
+
+    def draft_cost(self) -> float | None:
+        """Seconds of one drafter step: measured lately, else the last samples however old
+        (a stale drafter cost must not stop the policy from drafting again)."""
+        cost = self._cost(self.draft_s)
+        return cost if cost is not None or not self.draft_s else min(s for _, s in self.draft_s)
 
     def verify_cost(self, k: int) -> float | None:
-        """Measured seconds of a round's verify part at depth k, or an estimate from the
-        nearest measured shape (verify costs are dominated by weight reads: nearly flat)."""
-        shape = self.verify_shape(k)
-        if self.verify_s.get(shape):
-            return self._cost(self.verify_s[shape])
+        """Seconds of a round's verify part at depth k, measured lately, or an estimate from the
+        nearest shape measured lately (verify costs are dominated by weight reads: nearly flat)."""
         measured = [
-            (abs(j - k), self._cost(self.verify_s[self.verify_shape(j)]))
+            (abs(j - k), cost)
             for j in range(self.max_depth + 1)
-            if self.verify_s.get(self.verify_shape(j))
+            if (cost := self._cost(self.verify_s.get(self.verify_shape(j), ()))) is not None
         ]
         return min(measured)[1] if measured else None
 
     def rate(self, k: int) -> float | None:
         """Expected committed tokens per second at depth k (None until its costs are known)."""
-        verify = self.verify_cost(k)
-        if verify is None or (k and not self.draft_s):
+        verify, draft = self.verify_cost(k), self.draft_cost()
+        if verify is None or (k and draft is None):
             return None
-        seconds = verify + (k * self._cost(self.draft_s) if k else 0.0)
+        seconds = verify + (k * draft if k and draft is not None else 0.0)
         return self.expected_tokens(k) / seconds if seconds > 0 else None
 
     # --- the policy ----------------------------------------------------------------------------
@@ -137,17 +150,21 @@ class AdaptiveDepth:
             self.accepts[i] += 1
         drafting = step.seconds.get("drafter", 0.0)
         if k:
-            self.draft_s.append(drafting / k)
+            self.draft_s.append((self.rounds, drafting / k))
         shape = self.verify_shape(k)
         self.verify_s.setdefault(shape, deque(maxlen=HISTORY)).append(
-            step.seconds["total"] - drafting
+            (self.rounds, step.seconds["total"] - drafting)
         )
 
     def summary(self) -> dict[str, object]:
         """What the policy believes now: acceptance by draft position, costs, expected rates."""
         return {
             "acceptance_by_position": [round(a, 4) for a in self.acceptances(self.max_depth)],
-            "draft_step_ms": 1000 * self._cost(self.draft_s) if self.draft_s else None,
-            "verify_ms": {s: 1000 * self._cost(v) for s, v in sorted(self.verify_s.items())},
+            "draft_step_ms": None if (d := self.draft_cost()) is None else 1000 * d,
+            "verify_ms": {
+                s: 1000 * c
+                for s, v in sorted(self.verify_s.items())
+                if (c := self._cost(v)) is not None
+            },
             "expected_tok_s": {str(k): round(r, 2) for k, r in self.last_estimate.items()},
         }

@@ -25,7 +25,7 @@ from edgemtp.export.bundle import open_tables, read_manifest, write_tables
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.gemma4 import TokenTables
 from edgemtp.quantize.tables import Int8Rows
-from edgemtp.runtime.adaptive import AdaptiveDepth
+from edgemtp.runtime.adaptive import MAX_AGE, WARMUP, AdaptiveDepth
 from edgemtp.runtime.backends import ReferenceBackend
 from edgemtp.runtime.generate import Step, generate
 from edgemtp.runtime.probes import current_rss_mb
@@ -337,6 +337,26 @@ def test_adaptive_acceptance_prior_of_a_deeper_draft_is_the_one_before_it():
         assert policy.choose(3) == k
         policy.observe(_step(k, k, 0.00375, 0.0165 if k else 0.010))
     assert policy.choose(3) == 3
+
+
+def test_adaptive_costs_expire_so_a_shape_left_alone_is_measured_again():
+    """A drafter that never agrees, AR and depth 1 both 10 ms to verify, a draft 2 ms: AR is
+    the choice. But the warm-up's AR rounds ran in a slow second (30 ms). With costs of any
+    age AR stayed dearer than drafting forever, since only AR rounds could correct it; a cost
+    expires after MAX_AGE rounds, and then AR borrows depth 1's fresh cost, wins, and is
+    measured again."""
+    policy = AdaptiveDepth(1, lambda k: f"rows_{k + 1}", decay=1.0)
+    chosen = []
+    for round_ in range(200):
+        k = policy.choose(1)
+        chosen.append(k)
+        slow = round_ < len(WARMUP) and k == 0
+        policy.observe(_step(k, 0, 0.002, 0.030 if slow else 0.010))
+    assert chosen[: len(WARMUP)] == list(WARMUP)
+    first_ar = chosen.index(0, len(WARMUP))
+    assert first_ar <= len(WARMUP) + MAX_AGE, chosen
+    assert chosen[first_ar:].count(1) <= 0.05 * len(chosen[first_ar:]), chosen
+    assert policy.verify_cost(0) == 0.010
 
 
 def test_auto_with_a_drafter_that_never_agrees_settles_on_ar(pair):

@@ -51,22 +51,36 @@ std::vector<double> AdaptiveDepth::acceptances(int k) const {
 
 double AdaptiveDepth::expected_tokens(int k) const { return expected_committed(acceptances(k)); }
 
-// The fastest recent round: other load on the machine and a method's one-off set-up on its
-// first call only ever add time.
-double AdaptiveDepth::cost(const std::deque<double>& samples) {
-  return *std::min_element(samples.begin(), samples.end());
+// The fastest round among the samples younger than kMaxAge rounds: other load on the machine
+// and a method's one-off set-up on its first call only ever add time.
+std::optional<double> AdaptiveDepth::cost(const Samples& samples) const {
+  std::optional<double> fastest;
+  for (const auto& [round, seconds] : samples) {
+    if (rounds_ - round < kMaxAge && (!fastest || seconds < *fastest)) fastest = seconds;
+  }
+  return fastest;
+}
+
+// Measured lately, else the last samples however old (a stale drafter cost must not stop the
+// policy from drafting again).
+std::optional<double> AdaptiveDepth::draft_cost() const {
+  if (std::optional<double> fresh = cost(draft_s_)) return fresh;
+  if (draft_s_.empty()) return std::nullopt;
+  double fastest = draft_s_.front().second;
+  for (const auto& sample : draft_s_) fastest = std::min(fastest, sample.second);
+  return fastest;
 }
 
 std::optional<double> AdaptiveDepth::verify_cost(int k) const {
-  auto measured = verify_s_.find(verify_shape_(k));
-  if (measured != verify_s_.end()) return cost(measured->second);
-  // The nearest measured depth, the cheaper on a tie in distance (Python's min over
-  // (distance, cost) pairs).
+  // Its own shape if measured lately, else the nearest depth measured lately, the cheaper on a
+  // tie in distance (Python's min over (distance, cost) pairs).
   std::optional<std::pair<int, double>> nearest;
   for (int j = 0; j <= max_depth_; ++j) {
     auto found = verify_s_.find(verify_shape_(j));
     if (found == verify_s_.end()) continue;
-    std::pair<int, double> candidate{std::abs(j - k), cost(found->second)};
+    std::optional<double> measured = cost(found->second);
+    if (!measured) continue;
+    std::pair<int, double> candidate{std::abs(j - k), *measured};
     if (!nearest || candidate < *nearest) nearest = candidate;
   }
   if (!nearest) return std::nullopt;
@@ -74,9 +88,10 @@ std::optional<double> AdaptiveDepth::verify_cost(int k) const {
 }
 
 std::optional<double> AdaptiveDepth::rate(int k) const {
-  std::optional<double> verify = verify_cost(k);
-  if (!verify || (k != 0 && draft_s_.empty())) return std::nullopt;
-  const double seconds = *verify + (k != 0 ? k * cost(draft_s_) : 0.0);
+  const std::optional<double> verify = verify_cost(k);
+  const std::optional<double> draft = draft_cost();
+  if (!verify || (k != 0 && !draft)) return std::nullopt;
+  const double seconds = *verify + (k != 0 ? k * *draft : 0.0);
   if (!(seconds > 0)) return std::nullopt;
   return expected_tokens(k) / seconds;
 }
@@ -111,11 +126,11 @@ void AdaptiveDepth::observe(const Round& round) {
   for (int i = 1; i <= std::min(n + 1, k); ++i) trials_[static_cast<std::size_t>(i)] += 1;
   for (int i = 1; i <= n; ++i) accepts_[static_cast<std::size_t>(i)] += 1;
   if (k != 0) {
-    draft_s_.push_back(round.draft_seconds / k);
+    draft_s_.emplace_back(rounds_, round.draft_seconds / k);
     if (static_cast<int>(draft_s_.size()) > kHistory) draft_s_.pop_front();
   }
-  std::deque<double>& verify = verify_s_[verify_shape_(k)];
-  verify.push_back(round.verify_seconds);
+  Samples& verify = verify_s_[verify_shape_(k)];
+  verify.emplace_back(rounds_, round.verify_seconds);
   if (static_cast<int>(verify.size()) > kHistory) verify.pop_front();
 }
 

@@ -258,6 +258,12 @@ void test_adaptive() {
   counts.observe(round_of(2, 0, 0.004, 0.030));
   counts.observe(round_of(2, 0, 0.004, 0.030));
   CHECK_EQ(*counts.verify_cost(2), 0.030);  // and then 0.020 and 0.011
+  // A sample older than kMaxAge rounds no longer counts: rows_3, left alone, borrows rows_1's.
+  for (int i = 0; i < edgemtp::AdaptiveDepth::kMaxAge; ++i) {
+    counts.observe(round_of(0, 0, 0.0, 0.008));
+  }
+  CHECK_EQ(*counts.verify_cost(2), 0.008);
+  CHECK_EQ(*counts.draft_cost(), 0.002);  // a stale draft cost still counts
 
   // From a bundle's shapes: the verify methods verify_0 and verify_3.
   edgemtp::AdaptiveDepth bundle(edgemtp::Shapes{512, 3, 16, {128}});
