@@ -146,17 +146,15 @@ def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, floa
 
 
 class SegmentAttention(torch.nn.Module):
-    """Attention as the exported methods compute it (`ExportAttention`, one KV head): scores
-    against the cache and the call's own rows apart, the additive mask, softmax, and each
-    segment's probabilities times its values."""
+    """Attention as the exported methods compute it (`exportable.segment_attention`, one KV
+    head): scores against the cache and the call's own rows apart, the additive mask, softmax,
+    and each segment's probabilities times its values."""
 
     def forward(self, q, k_cache, k_rows, v_cache, v_rows, mask):  # type: ignore[no-untyped-def]
-        t = mask.shape[0]
-        scores = torch.cat([torch.bmm(q, k.transpose(1, 2)) for k in (k_cache, k_rows)], -1)
-        scores = scores.view(1, -1, t, scores.shape[-1]) + mask
-        probs = torch.softmax(scores, dim=-1).view(1, q.shape[1], -1)
-        s = k_cache.shape[1]
-        return torch.bmm(probs[..., :s], v_cache) + torch.bmm(probs[..., s:], v_rows)
+        from edgemtp.export.exportable import segment_attention
+
+        group = q.shape[1] // mask.shape[0]
+        return segment_attention(q, (k_cache, k_rows), (v_cache, v_rows), mask, group)
 
 
 # (heads, rows, cache keys, head dim): two prefill chunks over a short cache, alike but for the

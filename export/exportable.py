@@ -117,19 +117,27 @@ class ExportAttention(Attention):
         q = self.q_proj(x).view(t, -1, hd)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(0, 1)  # [heads, T, hd]
         group = q.shape[0] // kvh
-        q = q.reshape(kvh, group * t, hd)
-        scores = torch.cat([torch.bmm(q, s.transpose(1, 2)) for s in ks], dim=-1)  # scale 1.0
-        scores = scores.view(kvh, group, t, -1) + additive_mask(mask)
-        probs = torch.softmax(scores, dim=-1).view(kvh, group * t, -1)
-        if len(vs) == 1:  # (a full-range slice would trace to an alias ONNX cannot translate)
-            out = torch.bmm(probs, vs[0])
-        else:  # each segment's probabilities times its values, summed
-            parts, start = [], 0
-            for s in vs:
-                parts.append(torch.bmm(probs[..., start : start + s.shape[1]], s))
-                start += s.shape[1]
-            out = sum(parts[1:], parts[0])
+        out = segment_attention(q.reshape(kvh, group * t, hd), ks, vs, mask, group)
         return self.o_proj(out.view(kvh * group, t, hd).transpose(0, 1).reshape(t, -1))
+
+
+def segment_attention(q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
+    """Grouped-query attention over K/V kept in segments (the cache, the call's own rows):
+    q [kv_heads, group * rows, head_dim] (scale 1.0) against each segment's keys [kv_heads,
+    keys, head_dim], the mask [rows, all keys] (bool or additive), one softmax over all keys,
+    each segment's probabilities times its values, summed. [kv_heads, group * rows, head_dim].
+    `devices calibrate` times this very function."""
+    kvh, t = q.shape[0], mask.shape[0]
+    scores = torch.cat([torch.bmm(q, s.transpose(1, 2)) for s in ks], dim=-1)
+    scores = scores.view(kvh, group, t, -1) + additive_mask(mask)
+    probs = torch.softmax(scores, dim=-1).view(kvh, group * t, -1)
+    if len(vs) == 1:  # (a full-range slice would trace to an alias ONNX cannot translate)
+        return torch.bmm(probs, vs[0])
+    parts, start = [], 0
+    for s in vs:
+        parts.append(torch.bmm(probs[..., start : start + s.shape[1]], s))
+        start += s.shape[1]
+    return sum(parts[1:], parts[0])
 
 
 def make_exportable(module: nn.Module) -> nn.Module:
