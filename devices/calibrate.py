@@ -8,6 +8,10 @@ What is measured (each a median of several runs, with the threads the runtime wo
   linears on 256 rows; fp16 through torch (ExecuTorch's CPU programs have none);
 - dispatch cost per operator: ExecuTorch programs of one and of 201 chained XNNPACK linears of
   64 x 64 on one row, run in this process: (t201 - t1) / 200; and a program call's own cost;
+  the same with multiplies for the nodes that are not matmuls (a tenth of that);
+- weights that stay in the cache: half the last-level cache (sysfs) as what a model may take,
+  and the rate an int4 linear of a quarter of that streams at when called over and over
+  (XNNPACK and ONNX Runtime, one row and four);
 - the same linear on four rows (a verify's), where kernels may take another path;
 - ONNX Runtime apart (`[delegates.cpu.backends.onnx]`): its MatMulNBits as ONNX cpu bundles
   export it (int8 activations) on one, four and 256 rows, its cost per node (a decoder layer's
@@ -133,6 +137,74 @@ def linear_chain(ops: int) -> torch.nn.Module:
             return x
 
     return Chain()
+
+
+class MultiplyChain(torch.nn.Module):
+    """`ops` multiplies of a row by a weight vector, one XNNPACK elementwise node each."""
+
+    def __init__(self, ops: int, width: int):
+        super().__init__()
+        self.ops, self.weight = ops, torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.ops):
+            x = x * self.weight
+        return x
+
+
+NODE_WIDTH = 1536  # a row of E2B's hidden size
+
+
+def executorch_node_us(calls: int = 2000) -> float:
+    """µs per XNNPACK node that is not a matmul (a decode step's norms, activations, adds,
+    reshapes: 70 % of its nodes): chains of 1 and 201 multiplies on one row of E2B's hidden
+    size, (t201 - t1) / 200, interleaved. About a tenth of a matmul node's `dispatch_us`:
+    XNNPACK runs them on the calling thread, with no set-up beyond the graph's."""
+    x = torch.zeros(1, NODE_WIDTH)
+    programs = [_xnnpack_program(MultiplyChain(n, NODE_WIDTH), x) for n in (1, 201)]
+    t1, t201 = _interleaved_medians(
+        [lambda p=p: [p.forward((x,)) for _ in range(calls)] for p in programs], 5
+    )
+    return max((t201 - t1) / calls / 200 * 1e6, 0.0)
+
+
+def resident_mb() -> float | None:
+    """Half the last-level cache, from sysfs (None where unreadable): what a model's weights
+    and K/V may take and still be found in it at the next call (an estimate: the rest holds
+    activations, other methods and other processes' data)."""
+    best: tuple[int, float] | None = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**-10, "M": 1.0, "G": 2**10}
+        if kind == "Instruction" or not size or size[-1] not in units:
+            continue
+        mb = float(size[:-1]) * units[size[-1]]
+        if best is None or level > best[0]:
+            best = (level, mb)
+    return best[1] / 2 if best else None
+
+
+def resident_size(limit_mb: float, quick: bool = False) -> int:
+    """Side of a square int4 linear whose codes and scales take at most a quarter of
+    `limit_mb` (at most 4096: 9 MiB; 512 when `quick`), so that it stays in the cache between
+    calls."""
+    n = 512 if quick else 4096
+    while n > 256 and n * n * (0.5 + 2 / 32) > limit_mb * 2**20 / 4:
+        n //= 2
+    return n
+
+
+def resident_bandwidth(n: int, rows: int, calls: int = 20) -> float:
+    """GB/s an XNNPACK 8da4w linear n x n streams its weights at, called over and over so
+    that they stay in the cache."""
+    program = _xnnpack_program(_int4_linear(n, n), torch.randn(rows, n))
+    weight_bytes = n * n / 2 + n * n / 32 * 2
+    return weight_bytes / _call_seconds(program, torch.randn(rows, n), calls, 9) / 1e9
 
 
 def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, float]:
@@ -434,8 +506,11 @@ def _onnx_node_chain(repeats: int, width: int, threads: int) -> tuple[Any, int]:
     return _ort_session(graph, threads), len(nodes)
 
 
-def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
-    """ONNX Runtime's MatMulNBits GEMV bandwidth (one row, past the caches), its throughput on
+def onnx_kernels(
+    threads: int, quick: bool = False, limit_mb: float | None = None
+) -> dict[str, float]:
+    """ONNX Runtime's MatMulNBits GEMV bandwidth (one row, past the caches; and, given the
+    cache's `limit_mb`, with weights that stay in it, on one and four rows), its throughput on
     256 rows, its cost per call and per node (chains of `DECODER_NODE_MIX` on one row of 64,
     1 and 20 times over), and the fixed cost of one MatMulNBits beyond its bytes and its launch
     (64 independent 64 x 64 linears on one row against one: their bytes stream in under a
@@ -449,6 +524,16 @@ def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
         x = np.random.default_rng(1).standard_normal((rows, k), dtype=np.float32)
         times = _median_seconds(lambda s=session, x=x: s.run(None, {"x0": x}), 9)
         bandwidth[rows] = weight_bytes / statistics.median(times) / 1e9
+    resident = {}
+    if limit_mb is not None:
+        side, calls = resident_size(limit_mb, quick), 20
+        for rows in (1, VERIFY_PROBE_ROWS):
+            session, weight_bytes = _nbits_linear(side, side, rows, threads)
+            x = np.random.default_rng(1).standard_normal((rows, side), dtype=np.float32)
+            times = _median_seconds(
+                lambda s=session, x=x: [s.run(None, {"x0": x}) for _ in range(calls)], 9
+            )
+            resident[rows] = weight_bytes * calls / statistics.median(times) / 1e9
     size, rows = (128, 8) if quick else (1024, 256)
     session, _ = _nbits_linear(size, size, rows, threads)
     x = np.random.default_rng(2).standard_normal((rows, size), dtype=np.float32)
@@ -482,6 +567,14 @@ def onnx_kernels(threads: int, quick: bool = False) -> dict[str, float]:
         "dispatch_us": max(per_node * 1e6, 0.01),
         "call_us": max((per_call[0] / calls - few * per_node) * 1e6, 0.0),
         "linear_us": max((per_linear - streaming - per_node) * 1e6, 0.0),
+        **(
+            {
+                "resident_bandwidth_gbs": resident[1],
+                "resident_verify_bandwidth_gbs": resident[VERIFY_PROBE_ROWS],
+            }
+            if resident
+            else {}
+        ),
     }
 
 
@@ -616,6 +709,27 @@ def _attention_lines(rates: tuple[float, float, float], src: str, runtime: str) 
     ]
 
 
+def _resident_mb_line(limit_mb: float, src: str) -> str:
+    return "resident_mb = " + _entry(
+        limit_mb,
+        src,
+        f"half the last-level cache ({2 * limit_mb:.0f} MiB, sysfs), an estimate of what a "
+        "model's weights and K/V may take and still be there at the next call",
+    )
+
+
+def _resident_lines(resident: dict[int, float], side: int, src: str, kernel: str) -> list[str]:
+    """Profile lines of the resident rates measured on `kernel` of side x side."""
+    return [
+        f"{key} = " + _entry(resident[rows], src, f"weight bytes / time of {rows} row(s) "
+        f"through {kernel} of {side} x {side} called 20 times in a row (its weights stay in "
+        "the cache), median of 9")
+        for key, rows in (("resident_bandwidth_gbs", 1),
+                          ("resident_verify_bandwidth_gbs", VERIFY_PROBE_ROWS))
+        if rows in resident
+    ]  # fmt: skip
+
+
 def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     """Measure this machine; its profile as TOML text (`quick`: small sizes, for tests)."""
     when = time.strftime("%Y-%m-%d")
@@ -632,10 +746,17 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     for dtype in ("int8", "fp16", "fp32"):
         say(f"{dtype} GEMM throughput")
         tops[dtype] = matmul_tops(dtype, *((128, 8) if quick else (1024, 256)))
-    say("ExecuTorch dispatch (chains of 1 and 201 small XNNPACK linears)")
+    say("ExecuTorch dispatch (chains of 1 and 201 small XNNPACK linears, and multiplies)")
     per_op, per_call = executorch_dispatch_us(threads, 50 if quick else 2000)
+    node_us = executorch_node_us(50 if quick else 2000)
+    limit_mb = resident_mb()
+    resident: dict[int, float] = {}
+    side = resident_size(limit_mb, quick) if limit_mb is not None else 0
+    if limit_mb is not None:
+        say(f"weights that stay in the cache ({2 * limit_mb:.0f} MiB last level)")
+        resident = {rows: resident_bandwidth(side, rows) for rows in (1, VERIFY_PROBE_ROWS)}
     say("ONNX Runtime's kernels (MatMulNBits, per-node dispatch)")
-    ort = onnx_kernels(threads, quick)
+    ort = onnx_kernels(threads, quick, limit_mb)
     say("attention (masked softmax between batched matmuls), XNNPACK and ONNX Runtime")
     attention = executorch_attention(quick)
     say("ExecuTorch's portable kernels (the cache's slot bookkeeping)")
@@ -707,6 +828,15 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
             f"chained 64x64 linears on one row, (t201 - t1) / 200; a program call costs "
             f"{per_call:.1f} us",
         ),  # fmt: skip
+        "node_us = "
+        + _entry(
+            node_us,
+            src,
+            f"ExecuTorch, per XNNPACK node that is not a matmul: programs of 1 and 201 chained "
+            f"multiplies on one row of {NODE_WIDTH}, (t201 - t1) / 200, median of 5 interleaved",
+        ),
+        *([_resident_mb_line(limit_mb, src)] if limit_mb is not None else []),
+        *_resident_lines(resident, side, src, "an XNNPACK 8da4w linear"),
         "host_call_us = "
         + _entry(
             host_call_us,
@@ -764,6 +894,9 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
                  "memory_bandwidth_gbs) and its launch (dispatch_us): sessions of 64 and 1 "
                  "independent 64 x 64 linears on one row, per linear, median of interleaved "
                  "rounds"),
+        *_resident_lines({r: ort[k] for r, k in ((1, "resident_bandwidth_gbs"),
+                         (VERIFY_PROBE_ROWS, "resident_verify_bandwidth_gbs")) if k in ort},
+                         side, src, "an ONNX Runtime MatMulNBits"),
         *_attention_lines(ort_attention, src, "ONNX Runtime"),
         "ns_per_element = "
         + _entry(ort_elements, src, "ONNX Runtime's non-matmul nodes: a chain of 24 (Mul, Add, "

@@ -51,6 +51,14 @@ What the fields mean (the simulator relies on these definitions):
   - `linear_us` (optional): fixed time of one linear kernel beyond streaming its weights and
     its launch (a kernel's per-call setup: quantizing the activation row, its workspace), for
     bundles that count their linear kernels per method (ONNX). Absent: free.
+  - `node_us` (optional): fixed cost of a launch that is not a matmul (elementwise, shape and
+    normalization nodes) on a "kernel" unit, where it is far below a matmul's `dispatch_us`;
+    for bundles that count their nodes by kind (ExecuTorch's XNNPACK graphs). Absent:
+    `dispatch_us` for every launch.
+  - `resident_mb`, `resident_bandwidth_gbs`, `resident_verify_bandwidth_gbs` (optional): a
+    call whose weights and K/V take at most `resident_mb` stays in the last-level cache from
+    one call to the next, and its 4-bit weights stream at the resident rates (one row; a
+    verify's few rows) instead of `memory_bandwidth_gbs` / `verify_bandwidth_gbs`.
   - `[delegates.X.backends.Y]` (optional): `memory_bandwidth_gbs`, `dispatch_us`, `call_us`,
     `host_*`, the attention numbers and `peak_tops` as the kernels of backend Y (executorch,
     onnx, coreml) run on this unit, where they were measured apart; a bundle of backend Y is
@@ -86,14 +94,16 @@ _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispa
 _DELEGATE_OPTIONAL_NUMBERS = (
     "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "call_us",
     "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
-    "ns_per_portable_element", "ns_per_element", "linear_us",
+    "ns_per_portable_element", "ns_per_element", "linear_us", "node_us", "resident_mb",
+    "resident_bandwidth_gbs", "resident_verify_bandwidth_gbs",
 )  # fmt: skip
 BACKENDS = ("executorch", "onnx", "coreml")
 # what a [delegates.X.backends.Y] section may replace for bundles of backend Y
 _BACKEND_NUMBERS = (
     "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
     "host_ns_per_logit", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
-    "ns_per_element", "linear_us",
+    "ns_per_element", "linear_us", "node_us", "resident_bandwidth_gbs",
+    "resident_verify_bandwidth_gbs",
 )  # fmt: skip
 _FIX = "see the field conventions at the top of devices/profiles.py"
 
@@ -121,6 +131,10 @@ class DelegateProfile:
     ns_per_portable_element: float | None = None
     ns_per_element: float | None = None
     linear_us: float | None = None
+    node_us: float | None = None
+    resident_mb: float | None = None
+    resident_bandwidth_gbs: float | None = None
+    resident_verify_bandwidth_gbs: float | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def for_backend(self, backend: str | None) -> DelegateProfile:
@@ -332,6 +346,10 @@ class _Parser:
             ns_per_portable_element=optional.get("ns_per_portable_element"),
             ns_per_element=optional.get("ns_per_element"),
             linear_us=optional.get("linear_us"),
+            node_us=optional.get("node_us"),
+            resident_mb=optional.get("resident_mb"),
+            resident_bandwidth_gbs=optional.get("resident_bandwidth_gbs"),
+            resident_verify_bandwidth_gbs=optional.get("resident_verify_bandwidth_gbs"),
             backends=self.backends(table.get("backends", {}), prefix),
         )
 

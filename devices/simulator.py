@@ -81,6 +81,7 @@ class Model:
     portable: dict[str, int] = field(default_factory=dict)  # method -> portable elements per call
     elementwise: dict[str, int] = field(default_factory=dict)  # method -> non-matmul elements
     linears: dict[str, int] = field(default_factory=dict)  # method -> linear kernels, where counted
+    nodes: dict[str, int] = field(default_factory=dict)  # method -> launches that are not matmuls
 
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
@@ -217,15 +218,22 @@ def call_terms(
     portable: int = 0,
     elementwise: int = 0,
     linears: int = 0,
+    nodes: int = 0,
 ) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
     streamed, or FLOPs in the compute dtype), the attention's (K/V streamed, or FLOPs in the
     activation dtype) plus its scores' time, the `portable` elements fallback kernels write,
     the `elementwise` elements its other non-matmul kernels write (where the bundle counts
-    them), dispatch, and the fixed cost of each of its `linears` kernels (where counted)."""
+    them), dispatch (of which `nodes` launches are not matmuls, at the profile's `node_us`),
+    and the fixed cost of each of its `linears` kernels (where counted). Weights and K/V
+    that fit the profile's `resident_mb` stream at its resident rates."""
+    verify_rows = 2 <= work.rows <= VERIFY_ROWS
     bandwidth = unit.memory_bandwidth_gbs
-    if unit.verify_bandwidth_gbs and 2 <= work.rows <= VERIFY_ROWS:
+    if unit.verify_bandwidth_gbs and verify_rows:
         bandwidth = unit.verify_bandwidth_gbs
+    if unit.resident_mb and work.weight_bytes + work.cache_bytes <= unit.resident_mb * 2**20:
+        resident = unit.resident_verify_bandwidth_gbs if verify_rows else None
+        bandwidth = resident or unit.resident_bandwidth_gbs or bandwidth
     weights = work.weight_bytes / (bandwidth * 1e9)
     kv_bandwidth = unit.attention_bandwidth_gbs or unit.memory_bandwidth_gbs
     kv = work.cache_bytes / (kv_bandwidth * 1e9)
@@ -237,7 +245,9 @@ def call_terms(
     attention = work.attention_flops / (attention_tops * 1e12)
     scores = work.scores * (unit.ns_per_score or 0.0) * 1e-9
     dispatches = launches if unit.dispatch_unit == "kernel" else 1
-    dispatch = ((unit.call_us or 0.0) + dispatches * unit.dispatch_us) * 1e-6
+    light = min(nodes, dispatches) if unit.node_us is not None else 0
+    dispatch = (unit.call_us or 0.0) + (dispatches - light) * unit.dispatch_us
+    dispatch = (dispatch + light * (unit.node_us or 0.0)) * 1e-6
     dispatch += linears * (unit.linear_us or 0.0) * 1e-6
     elements = portable * (unit.ns_per_portable_element or 0.0) * 1e-9
     elements += elementwise * (unit.ns_per_element or 0.0) * 1e-9
@@ -258,13 +268,14 @@ def _launches(model: Model, method: str, layers: int) -> int:
     return model.launches.get(method) or OPS_PER_LAYER * layers
 
 
-def _kernel_counts(model: Model, method: str) -> tuple[int, int, int]:
-    """(portable, other non-matmul) elements one call of `method` writes, and its linear
-    kernels, as its bundle says."""
+def _kernel_counts(model: Model, method: str) -> tuple[int, int, int, int]:
+    """(portable, other non-matmul) elements one call of `method` writes, its linear kernels
+    and its launches that are not matmuls, as its bundle says."""
     return (
         model.portable.get(method, 0),
         model.elementwise.get(method, 0),
         model.linears.get(method, 0),
+        model.nodes.get(method, 0),
     )
 
 
@@ -410,7 +421,7 @@ def model_from_bundle(bundle: Path) -> Model:
     if manifest["drafter"]:
         raw = json.loads((bundle / manifest["drafter"]["config"]).read_text())
         drafter = drafter_config(raw, str(bundle))
-    launches = method_operators(bundle, manifest)
+    launches, nodes = method_operators(bundle, manifest)
     scheme = manifest["quantization"]["scheme"]
     quant = scheme if scheme in BITS_PER_WEIGHT else "fp32" if scheme == "none" else "q4_0"
     shapes = manifest["shapes"]
@@ -439,6 +450,7 @@ def model_from_bundle(bundle: Path) -> Model:
             name: counts.get("MatMulNBits", 0)
             for name, counts in manifest["backend_details"].get("ops", {}).items()
         },
+        nodes,
     )
 
 
@@ -480,21 +492,36 @@ def linear_weights(cfg: TextConfig, drafter: AssistantConfig | None) -> int:
 PROGRAM_READ_LIMIT = 2**30  # older ExecuTorch bundles: count operators from programs this small
 
 
-def method_operators(bundle: Path, manifest: dict[str, Any]) -> dict[str, int]:
-    """Operators each method dispatches per call: an ExecuTorch bundle's `runtime_ops` (portable
-    kernel calls plus XNNPACK graph nodes; counted from the program itself when an older
-    export did not record them), an ONNX method's graph nodes; else the exported graph's node
-    count, or nothing (then OPS_PER_LAYER)."""
+def method_operators(
+    bundle: Path, manifest: dict[str, Any]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Operators each method dispatches per call, and how many of them are XNNPACK nodes other
+    than matmuls (priced at the profile's `node_us`; ExecuTorch bundles only). An ExecuTorch
+    bundle's `runtime_ops` (portable kernel calls plus XNNPACK graph nodes) and their kinds,
+    counted from the program itself when an older export did not record them; an ONNX
+    method's graph nodes; else the exported graph's node count, or nothing (then
+    OPS_PER_LAYER)."""
     delegation = manifest["backend_details"].get("delegation", {})
-    if delegation and all("runtime_ops" in d for d in delegation.values()):
-        return {name: int(d["runtime_ops"]) for name, d in delegation.items()}
+    kinds: dict[str, dict[str, int]] | None = None
+    if delegation and all("runtime_op_kinds" in d for d in delegation.values()):
+        kinds = {name: d["runtime_op_kinds"] for name, d in delegation.items()}
     program = bundle / manifest["program"]
-    if manifest["backend"] == "executorch" and program.stat().st_size < PROGRAM_READ_LIMIT:
-        from executorch.exir._serialize._program import deserialize_pte_binary
+    if kinds is None and manifest["backend"] == "executorch":
+        if program.stat().st_size < PROGRAM_READ_LIMIT:
+            from executorch.exir._serialize._program import deserialize_pte_binary
 
-        from edgemtp.export.executorch import program_operators
+            from edgemtp.export.executorch import program_operator_kinds
 
-        return program_operators(deserialize_pte_binary(program.read_bytes()).program)
+            kinds = program_operator_kinds(deserialize_pte_binary(program.read_bytes()).program)
+    if kinds is not None:
+        from edgemtp.export.executorch import XNNPACK_MATMUL_NODES
+
+        light = {k for c in kinds.values() for k in c if k.startswith("XNN")}
+        light -= set(XNNPACK_MATMUL_NODES)
+        other = {name: sum(n for k, n in c.items() if k in light) for name, c in kinds.items()}
+        return {name: sum(c.values()) for name, c in kinds.items()}, other
+    if delegation and all("runtime_ops" in d for d in delegation.values()):
+        return {name: int(d["runtime_ops"]) for name, d in delegation.items()}, {}
     if manifest["backend"] == "onnx":
         import onnx
 
@@ -504,12 +531,12 @@ def method_operators(bundle: Path, manifest: dict[str, Any]) -> dict[str, int]:
         return {
             name: len(onnx.load(program / m["file"], load_external_data=False).graph.node)
             for name, m in methods.items()
-        }
+        }, {}
     return {
         name: int(d.get("delegated_nodes", 0)) + int(d.get("portable_nodes", 0))
         for name, d in delegation.items()
         if isinstance(d, dict)
-    }
+    }, {}
 
 
 def _is_verify(method: str) -> bool:

@@ -457,14 +457,28 @@ def method_io(programs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# XNNPACK nodes that run a matmul: each costs a kernel set-up and a thread-pool dispatch (the
+# profile's `dispatch_us`); the elementwise and shape nodes around them cost far less
+# (`node_us`).
+XNNPACK_MATMUL_NODES = ("XNNFullyConnected", "XNNBatchMatrixMultiply")
+PORTABLE_CALL = "portable"
+
+
 def program_operators(program: Any) -> dict[str, int]:
     """Operators each method of an ExecuTorch `Program` dispatches per call: its portable
     kernel calls, plus inside each XNNPACK delegate the nodes of its XNNPACK graph (read from
     the delegate's flatbuffer); another delegate counts one. This is what a per-operator
     dispatch cost multiplies: the edge graph has ~40 % more nodes (quantize/dequantize pairs,
     views, getitems) that never run."""
+    return {name: sum(kinds.values()) for name, kinds in program_operator_kinds(program).items()}
+
+
+def program_operator_kinds(program: Any) -> dict[str, dict[str, int]]:
+    """`program_operators` by kind: method -> {XNNPACK node type ("XNNFullyConnected", ...),
+    "portable" (kernel calls), or another delegate's id: count}."""
     import json
     import tempfile
+    from collections import Counter
 
     from executorch.backends.xnnpack.serialization.xnnpack_graph_serialize import (
         XNNHeader,
@@ -472,22 +486,22 @@ def program_operators(program: Any) -> dict[str, int]:
     )
     from executorch.exir._serialize._flatbuffer import _flatc_decompile
 
-    counted: dict[int, int] = {}
-    out: dict[str, int] = {}
+    counted: dict[int, Counter[str]] = {}
+    out: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as folder:
         schema = Path(folder) / "schema.fbs"
         schema.write_bytes(_get_schema_bytes())
         for plan in program.execution_plan:
-            ops = 0
+            kinds: Counter[str] = Counter()
             for chain in plan.chains:
                 for instruction in chain.instructions:
                     kind = type(instruction.instr_args).__name__
                     if kind == "KernelCall":
-                        ops += 1
+                        kinds[PORTABLE_CALL] += 1
                     elif kind == "DelegateCall":
                         delegate = plan.delegates[instruction.instr_args.delegate_index]
                         if delegate.id != "XnnpackBackend":
-                            ops += 1
+                            kinds[delegate.id] += 1
                             continue
                         index = delegate.processed.index
                         if index not in counted:
@@ -498,9 +512,11 @@ def program_operators(program: Any) -> dict[str, int]:
                             graph.write_bytes(blob[start : start + header.flatbuffer_size])
                             _flatc_decompile(folder, str(schema), str(graph), ["--raw-binary"])
                             parsed = json.loads(graph.with_suffix(".json").read_text())
-                            counted[index] = len(parsed.get("xnodes", []))
-                        ops += counted[index]
-            out[plan.name] = ops
+                            counted[index] = Counter(
+                                str(node["xnode_union_type"]) for node in parsed.get("xnodes", [])
+                            )
+                        kinds.update(counted[index])
+            out[plan.name] = dict(sorted(kinds.items()))
     return out
 
 
@@ -522,8 +538,9 @@ def _lower_xnnpack(static: StaticBundle, out_dir: Path, progress: Progress) -> L
     full = {k: v for p in partitioners for k, v in p.full_pipeline.items()}
     t = time.perf_counter()
     manager = edge.to_executorch(backend_config())
-    for name, ops in program_operators(manager.executorch_program).items():
-        summary[name]["runtime_ops"] = ops
+    for name, kinds in program_operator_kinds(manager.executorch_program).items():
+        summary[name]["runtime_ops"] = sum(kinds.values())
+        summary[name]["runtime_op_kinds"] = kinds
     data = manager.buffer
     (out_dir / PROGRAM).write_bytes(data)
     progress(f"emit {PROGRAM}: {len(data) / 2**20:.1f} MiB ({time.perf_counter() - t:.1f}s)")

@@ -29,11 +29,13 @@ from edgemtp.devices.calibrate import linear_chain
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.driver import ExecuTorchRunner
 from edgemtp.export.executorch import (
+    PORTABLE_CALL,
     FusedInt4Linear,
     Int4Linear,
     _block_form,
     fuse_shared_input_linears,
     lower_executorch,
+    program_operator_kinds,
     program_operators,
     xnnpack_forms,
     xnnpack_int8_rows,
@@ -425,6 +427,9 @@ def test_runtime_operators_are_the_xnnpack_nodes_plus_portable_calls(linears):
     program = edge.to_executorch(backend_config()).executorch_program
     # one XNNPACK fully-connected node per linear, one cumsum kernel
     assert program_operators(program) == {"m": linears + 1}
+    assert program_operator_kinds(program) == {
+        "m": {"XNNFullyConnected": linears, PORTABLE_CALL: 1}
+    }
 
 
 def test_a_cache_write_counts_the_rows_it_writes_not_the_cache():

@@ -153,6 +153,28 @@ def test_call_seconds_is_roofline_plus_dispatch():
     assert call_seconds(memory_bound, graph, "int8", 5000) == pytest.approx(0.010 + 300e-6)
 
 
+def test_nodes_that_are_not_matmuls_and_weights_that_stay_in_the_cache():
+    unit = _unit()  # 10 GB/s, 2 us per launch
+    memory_bound = Work(flops=1e9, weight_bytes=1e8, rows=1)  # 10 ms reading
+    # 100 launches, 70 of them elementwise nodes at 0.2 us: 30 x 2 + 70 x 0.2 = 74 us
+    light = replace(unit, node_us=0.2)
+    terms = call_terms(memory_bound, light, "int8", 100, nodes=70)
+    assert terms.dispatch_s == pytest.approx(74e-6)
+    assert call_terms(memory_bound, unit, "int8", 100, nodes=70).dispatch_s == pytest.approx(200e-6)
+    # 100 MB fit a 128 MiB resident budget: weights stream at 40 GB/s (one row), 20 (four)
+    cached = replace(unit, verify_bandwidth_gbs=5.0, resident_mb=128.0, resident_bandwidth_gbs=40.0,
+                     resident_verify_bandwidth_gbs=20.0)  # fmt: skip
+    assert call_terms(memory_bound, cached, "int8", 0).memory_s == pytest.approx(1e8 / 40e9)
+    four_rows = Work(flops=4e9, weight_bytes=1e8, rows=4)
+    assert call_terms(four_rows, cached, "int8", 0).memory_s == pytest.approx(1e8 / 20e9)
+    # one byte more than the budget: streamed from memory (10 GB/s; 5 GB/s on four rows)
+    over = Work(flops=1e9, weight_bytes=128 * 2**20 + 1, rows=1)
+    assert call_terms(over, cached, "int8", 0).memory_s == pytest.approx(over.weight_bytes / 10e9)
+    assert call_terms(
+        replace(four_rows, weight_bytes=over.weight_bytes), cached, "int8", 0
+    ).memory_s == pytest.approx(over.weight_bytes / 5e9)
+
+
 def test_attention_is_priced_after_the_linears_with_its_own_rates():
     # linears: max(1e8 B / 10 GB/s, 1e9 FLOP / 1 TOPS) = 10 ms; attention: max(2e7 B / 5 GB/s,
     # 2e8 FLOP / 0.1 TFLOPS) = 4 ms; 1e6 scores x 2 ns = 2 ms; 10 launches x 2 us
@@ -323,10 +345,15 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     assert cpu.host_call_us > 0 and cpu.host_ns_per_logit > 0 and cpu.verify_bandwidth_gbs > 0
     onnx = cpu.for_backend("onnx")  # ONNX Runtime's kernels, measured apart
     attention = {"attention_tops", "ns_per_score", "attention_bandwidth_gbs"}
+    # weights that stay in the cache, where sysfs tells its size
+    resident = {"resident_bandwidth_gbs", "resident_verify_bandwidth_gbs"}
     assert set(cpu.backends["onnx"]) == {
         "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "peak_tops",
-        "ns_per_element", "linear_us", *attention,
+        "ns_per_element", "linear_us", *attention, *(resident if cpu.resident_mb else ()),
     }  # fmt: skip
+    if cpu.resident_mb:
+        assert all(getattr(unit, name) > 0 for name in resident for unit in (cpu, onnx))
+    assert cpu.node_us > 0
     for unit in (cpu, onnx):
         assert all(getattr(unit, name) > 0 for name in attention)
     assert cpu.ns_per_portable_element > 0 and onnx.ns_per_element > 0
