@@ -8,7 +8,7 @@ What is measured (each a median of several runs, with the threads the runtime wo
   linears on 256 rows; fp16 through torch (ExecuTorch's CPU programs have none);
 - dispatch cost per operator: ExecuTorch programs of one and of 201 chained XNNPACK linears of
   64 x 64 on one row, run in this process: (t201 - t1) / 200; and a program call's own cost;
-  the same with multiplies for the nodes that are not matmuls (a tenth of that);
+  the same with multiplies for the nodes that are not matmuls (a fifth to a quarter of that);
 - weights that stay in the cache: half the last-level cache (sysfs) as what a model may take,
   and the rate an int4 linear of a quarter of that streams at when called over and over
   (XNNPACK and ONNX Runtime, one row and four);
@@ -158,8 +158,8 @@ NODE_WIDTH = 1536  # a row of E2B's hidden size
 def executorch_node_us(calls: int = 2000) -> float:
     """µs per XNNPACK node that is not a matmul (a decode step's norms, activations, adds,
     reshapes: 70 % of its nodes): chains of 1 and 201 multiplies on one row of E2B's hidden
-    size, (t201 - t1) / 200, interleaved. About a tenth of a matmul node's `dispatch_us`:
-    XNNPACK runs them on the calling thread, with no set-up beyond the graph's."""
+    size, (t201 - t1) / 200, interleaved: 0.25-0.32 µs here, a fifth to a quarter of a matmul
+    node's `dispatch_us` (XNNPACK runs them on the calling thread, not through its pool)."""
     x = torch.zeros(1, NODE_WIDTH)
     programs = [_xnnpack_program(MultiplyChain(n, NODE_WIDTH), x) for n in (1, 201)]
     t1, t201 = _interleaved_medians(

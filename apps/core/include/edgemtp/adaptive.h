@@ -5,8 +5,8 @@
 //   T_k = k * (one draft step) + (the verify part of a round of k drafts),
 // each cost the fastest of the last kHistory rounds (per verify method for the verify part)
 // younger than kMaxAge rounds. It starts with the rounds of kWarmup (1, 0, 1, 0), then
-// chooses; a depth whose verify method is not measured lately borrows the nearest one's cost. The costs come from Round's
-// draft_seconds and verify_seconds.
+// chooses; a depth whose verify method is not measured lately borrows the nearest one's cost.
+// The costs come from Round's draft_seconds and verify_seconds.
 #pragma once
 
 #include <deque>
