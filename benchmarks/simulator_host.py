@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -80,31 +81,32 @@ def build(work: Path, log: Path) -> None:
                  "--out", str(work / name)], log)  # fmt: skip
 
 
-def profile_of(work: Path, name: str, threads: int) -> Path:
-    """The host profile calibrated just before bundle `name`'s bench."""
-    return work / f"host-{threads}-{name}.toml"
+def profile_of(work: Path, name: str, threads: int, when: str = "") -> Path:
+    """The host profile calibrated just before bundle `name`'s bench (`when="after"`: just
+    after it)."""
+    return work / f"host-{threads}-{name}{'-' + when if when else ''}.toml"
 
 
 def measure(work: Path, threads: int, repeat: int, log: Path) -> list[dict[str, Any]]:
-    """Per bundle: calibrate, then bench at once with that profile. This shared host's speed
-    drifts by up to 2x within minutes; a profile measured minutes before a bench can miss it by
-    that much, whatever the model."""
-    docs = []
+    """Per bundle: calibrate, bench at once with that profile, calibrate again. This shared
+    host's speed drifts by up to 2x within minutes; a profile measured minutes before a bench
+    can miss it by that much, whatever the model. The two calibrations bracket the bench."""
     for name, spec in bundles(work).items():
-        profile = profile_of(work, name, threads)
-        run([*EDGEMTP, "devices", "calibrate", "--threads", str(threads), "--out", str(profile)],
-            log)  # fmt: skip
+        calibrate = [*EDGEMTP, "devices", "calibrate", "--threads", str(threads), "--out"]
+        run([*calibrate, str(profile_of(work, name, threads))], log)
         out = work / f"bench-{name}"
         run([*EDGEMTP, "bench", "--bundle", str(work / name), *spec["bench"], "--threads",
-             str(threads), "--repeat", str(repeat), "--device", str(profile), "--out", str(out)],
-            log)  # fmt: skip
-        (result,) = (out / "results").glob("*.json")
-        docs.append({"name": name, **json.loads(result.read_text())})
-    return docs
+             str(threads), "--repeat", str(repeat), "--device",
+             str(profile_of(work, name, threads)), "--out", str(out)], log)  # fmt: skip
+        run([*calibrate, str(profile_of(work, name, threads, "after"))], log)
+    return repredict(work, threads)
 
 
 def repredict(work: Path, threads: int) -> list[dict[str, Any]]:
-    """The benches already under --work, predicted again with the simulator as it is now."""
+    """The benches under --work predicted with the simulator as it is now, from the profile
+    calibrated before each bench and, where there is one, the one calibrated after it: a row's
+    prediction is the geometric mean of the two (the host's state during the bench lies between
+    them, as far as two calibrations can tell)."""
     from edgemtp.runtime.bench import BenchPlan, predict
 
     docs = []
@@ -114,8 +116,12 @@ def repredict(work: Path, threads: int) -> list[dict[str, Any]]:
         p = doc["plan"]
         plan = BenchPlan(tuple(p["pp"]), tuple(p["tg"]), tuple(p["depths"]), p["repeat"],
                          p["tg_prompt"], p["acceptance_oracle"], p["seed"])  # fmt: skip
-        profile = str(profile_of(work, name, threads))
-        doc["predictions"] = predict(work / name, profile, "cpu", plan, doc["runs"])
+        profiles = [profile_of(work, name, threads, w) for w in ("", "after")]
+        predictions = [
+            predict(work / name, str(f), "cpu", plan, doc["runs"]) for f in profiles if f.is_file()
+        ]
+        doc["predictions"] = predictions[0]
+        doc["predictions_bracket"] = [pr["rows"] for pr in predictions]
         docs.append({"name": name, **doc})
     return docs
 
@@ -123,9 +129,12 @@ def repredict(work: Path, threads: int) -> list[dict[str, Any]]:
 def table(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for doc in docs:
-        predicted = {(p["test"], p["depth"]): p for p in doc["predictions"]["rows"]}
+        brackets = [{(p["test"], p["depth"]): p["tok_s"] for p in rows_}
+                    for rows_ in doc["predictions_bracket"]]  # fmt: skip
         for s in doc["summary"]:
-            p = predicted[(s["test"], s["depth"])]
+            each = [b[(s["test"], s["depth"])] for b in brackets]
+            predicted = math.prod(each) ** (1 / len(each))
+            error = predicted / s["tok_s_median"] - 1
             rows.append({
                 "bundle": doc["name"],
                 "backend": doc["bundle"]["backend"],
@@ -135,9 +144,10 @@ def table(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "acceptance": s["acceptance_rate"],
                 "measured_tok_s": s["tok_s_median"],
                 "measured_stdev": s["tok_s_stdev"],
-                "predicted_tok_s": p["tok_s"],
-                "error": p["error"],
-                "within": abs(p["error"]) <= WITHIN,
+                "predicted_tok_s": predicted,
+                "predicted_before_after": each,
+                "error": error,
+                "within": abs(error) <= WITHIN,
             })  # fmt: skip
     return rows
 
@@ -153,13 +163,15 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"{ok} of {len(rows)} rows within ±{WITHIN:.0%} (error = predicted / measured - 1).",
         "",
-        f"Profiles: {result['profile'].lstrip('# ')} Each bench ran right after its own "
-        "calibration (`host-N-<bundle>.toml`). Benches:",
+        f"Profiles: {result['profile'].lstrip('# ')} Each bench ran between two calibrations "
+        "(`host-N-<bundle>.toml` before, `host-N-<bundle>-after.toml` after); a row's prediction "
+        "is the geometric mean of the two profiles' (both in the last column). Benches:",
         "",
         *(f"- `{b}`" for b in result["benches"]),
         "",
-        "| bundle | test | depth | acceptance | measured tok/s | predicted tok/s | error | ±25 % |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| bundle | test | depth | acceptance | measured tok/s | predicted tok/s | error | ±25 % "
+        "| before / after |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
@@ -169,7 +181,8 @@ def report(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['bundle']} | {r['test']} | {r['depth']} | {acc} | "
             f"{r['measured_tok_s']:.1f}{sd} | {r['predicted_tok_s']:.1f} | "
-            f"{100 * r['error']:+.0f}% | {'yes' if r['within'] else 'no'} |"
+            f"{100 * r['error']:+.0f}% | {'yes' if r['within'] else 'no'} | "
+            f"{' / '.join(f'{v:.1f}' for v in r['predicted_before_after'])} |"
         )
     return "\n".join(lines) + "\n"
 
