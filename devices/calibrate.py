@@ -10,8 +10,8 @@ What is measured (each a median of several runs, with the threads the runtime wo
   64 x 64 on one row, run in this process: (t201 - t1) / 200; and a program call's own cost;
   the same with multiplies for the nodes that are not matmuls (a fifth to a quarter of that);
 - weights that stay in the cache: half the last-level cache (sysfs) as what a model may take,
-  and the rate an int4 linear of a quarter of that streams at when called over and over
-  (XNNPACK and ONNX Runtime, one row and four);
+  and the rate eight small int4 linears (1024 x 1024) stream at when called over and over,
+  their fixed costs taken out (XNNPACK and ONNX Runtime, one row and four);
 - the same linear on four rows (a verify's), where kernels may take another path;
 - ONNX Runtime apart (`[delegates.cpu.backends.onnx]`): its MatMulNBits as ONNX cpu bundles
   export it (int8 activations) on one, four and 256 rows, its cost per node (a decoder layer's
@@ -189,22 +189,47 @@ def resident_mb() -> float | None:
     return best[1] / 2 if best else None
 
 
+RESIDENT_LINEARS = 8  # small linears, as a small model's layers hold
+
+
 def resident_size(limit_mb: float, quick: bool = False) -> int:
-    """Side of a square int4 linear whose codes and scales take at most a quarter of
-    `limit_mb` (at most 4096: 9 MiB; 512 when `quick`), so that it stays in the cache between
-    calls."""
-    n = 512 if quick else 4096
-    while n > 256 and n * n * (0.5 + 2 / 32) > limit_mb * 2**20 / 4:
+    """Side of the square int4 linears of the resident probe: `RESIDENT_LINEARS` of them take
+    at most a quarter of `limit_mb` (at most 1024 each: 4.5 MiB in all; 256 when `quick`), so
+    that they stay in the cache between calls."""
+    n = 256 if quick else 1024
+    while n > 128 and RESIDENT_LINEARS * n * n * (0.5 + 2 / 32) > limit_mb * 2**20 / 4:
         n //= 2
     return n
 
 
-def resident_bandwidth(n: int, rows: int, calls: int = 20) -> float:
-    """GB/s an XNNPACK 8da4w linear n x n streams its weights at, called over and over so
-    that they stay in the cache."""
-    program = _xnnpack_program(_int4_linear(n, n), torch.randn(rows, n))
-    weight_bytes = n * n / 2 + n * n / 32 * 2
-    return weight_bytes / _call_seconds(program, torch.randn(rows, n), calls, 9) / 1e9
+def _rate(weight_bytes: float, seconds: float, fixed_s: float) -> float:
+    """GB/s of weight bytes read in `seconds`, less the kernels' fixed costs where they leave
+    most of the time (the simulator adds those apart)."""
+    streaming = seconds - fixed_s if seconds - fixed_s > 0.2 * seconds else seconds
+    return weight_bytes / streaming / 1e9
+
+
+class Int4Chain(torch.nn.Module):
+    """`RESIDENT_LINEARS` int4 linears of n x n, one after another, each with its own weights."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.linears = torch.nn.ModuleList(_int4_linear(n, n) for _ in range(RESIDENT_LINEARS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for linear in self.linears:
+            x = linear(x)
+        return x
+
+
+def resident_bandwidth(n: int, rows: int, fixed_us: float, calls: int = 20) -> float:
+    """GB/s XNNPACK 8da4w linears stream their weights at when they stay in the cache: a chain
+    of `RESIDENT_LINEARS` linears of n x n called over and over, less `fixed_us` per call (the
+    program call and each linear's launches, which the simulator prices apart)."""
+    program = _xnnpack_program(Int4Chain(n), torch.randn(rows, n))
+    weight_bytes = RESIDENT_LINEARS * (n * n / 2 + n * n / 32 * 2)
+    seconds = _call_seconds(program, torch.randn(rows, n), calls, 9)
+    return _rate(weight_bytes, seconds, fixed_us * 1e-6)
 
 
 def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, float]:
@@ -524,16 +549,6 @@ def onnx_kernels(
         x = np.random.default_rng(1).standard_normal((rows, k), dtype=np.float32)
         times = _median_seconds(lambda s=session, x=x: s.run(None, {"x0": x}), 9)
         bandwidth[rows] = weight_bytes / statistics.median(times) / 1e9
-    resident = {}
-    if limit_mb is not None:
-        side, calls = resident_size(limit_mb, quick), 20
-        for rows in (1, VERIFY_PROBE_ROWS):
-            session, weight_bytes = _nbits_linear(side, side, rows, threads)
-            x = np.random.default_rng(1).standard_normal((rows, side), dtype=np.float32)
-            times = _median_seconds(
-                lambda s=session, x=x: [s.run(None, {"x0": x}) for _ in range(calls)], 9
-            )
-            resident[rows] = weight_bytes * calls / statistics.median(times) / 1e9
     size, rows = (128, 8) if quick else (1024, 256)
     session, _ = _nbits_linear(size, size, rows, threads)
     x = np.random.default_rng(2).standard_normal((rows, size), dtype=np.float32)
@@ -560,13 +575,28 @@ def onnx_kernels(
     )  # fmt: skip
     per_linear = (per_call_linears[1] - per_call_linears[0]) / (calls // 4) / (linears - 1)
     streaming = sessions[0][1] / (bandwidth[1] * 1e9)
+    linear_us = max((per_linear - streaming - per_node) * 1e6, 0.0)
+    call_us = max((per_call[0] / calls - few * per_node) * 1e6, 0.0)
+    resident = {}
+    if limit_mb is not None:
+        side, count = resident_size(limit_mb, quick), RESIDENT_LINEARS
+        fixed_s = (call_us + count * (per_node * 1e6 + linear_us)) * 1e-6
+        for rows in (1, VERIFY_PROBE_ROWS):
+            session, weight_bytes = _nbits_linear(side, side, rows, threads, count)
+            x = np.random.default_rng(1).standard_normal((rows, side), dtype=np.float32)
+            feed = {f"x{i}": x for i in range(count)}
+            times = _median_seconds(
+                lambda s=session, f=feed: [s.run(None, f) for _ in range(20)], 9
+            )
+            seconds = statistics.median(times) / 20
+            resident[rows] = _rate(count * weight_bytes, seconds, fixed_s)
     return {
         "memory_bandwidth_gbs": bandwidth[1],
         "verify_bandwidth_gbs": bandwidth[VERIFY_PROBE_ROWS],
         "int8_tops": tops,
         "dispatch_us": max(per_node * 1e6, 0.01),
-        "call_us": max((per_call[0] / calls - few * per_node) * 1e6, 0.0),
-        "linear_us": max((per_linear - streaming - per_node) * 1e6, 0.0),
+        "call_us": call_us,
+        "linear_us": linear_us,
         **(
             {
                 "resident_bandwidth_gbs": resident[1],
@@ -722,8 +752,9 @@ def _resident_lines(resident: dict[int, float], side: int, src: str, kernel: str
     """Profile lines of the resident rates measured on `kernel` of side x side."""
     return [
         f"{key} = " + _entry(resident[rows], src, f"weight bytes / time of {rows} row(s) "
-        f"through {kernel} of {side} x {side} called 20 times in a row (its weights stay in "
-        "the cache), median of 9")
+        f"through {RESIDENT_LINEARS} {kernel} of {side} x {side} called 20 times in a row "
+        "(their weights stay in the cache), less the call's and each linear's fixed costs "
+        "(priced apart), median of 9")
         for key, rows in (("resident_bandwidth_gbs", 1),
                           ("resident_verify_bandwidth_gbs", VERIFY_PROBE_ROWS))
         if rows in resident
@@ -754,7 +785,10 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     side = resident_size(limit_mb, quick) if limit_mb is not None else 0
     if limit_mb is not None:
         say(f"weights that stay in the cache ({2 * limit_mb:.0f} MiB last level)")
-        resident = {rows: resident_bandwidth(side, rows) for rows in (1, VERIFY_PROBE_ROWS)}
+        fixed_us = per_call + RESIDENT_LINEARS * (per_op + node_us)
+        resident = {
+            rows: resident_bandwidth(side, rows, fixed_us) for rows in (1, VERIFY_PROBE_ROWS)
+        }
     say("ONNX Runtime's kernels (MatMulNBits, per-node dispatch)")
     ort = onnx_kernels(threads, quick, limit_mb)
     say("attention (masked softmax between batched matmuls), XNNPACK and ONNX Runtime")
@@ -836,7 +870,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
             f"multiplies on one row of {NODE_WIDTH}, (t201 - t1) / 200, median of 5 interleaved",
         ),
         *([_resident_mb_line(limit_mb, src)] if limit_mb is not None else []),
-        *_resident_lines(resident, side, src, "an XNNPACK 8da4w linear"),
+        *_resident_lines(resident, side, src, "XNNPACK 8da4w linears"),
         "host_call_us = "
         + _entry(
             host_call_us,
@@ -896,7 +930,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
                  "rounds"),
         *_resident_lines({r: ort[k] for r, k in ((1, "resident_bandwidth_gbs"),
                          (VERIFY_PROBE_ROWS, "resident_verify_bandwidth_gbs")) if k in ort},
-                         side, src, "an ONNX Runtime MatMulNBits"),
+                         side, src, "ONNX Runtime MatMulNBits nodes"),
         *_attention_lines(ort_attention, src, "ONNX Runtime"),
         "ns_per_element = "
         + _entry(ort_elements, src, "ONNX Runtime's non-matmul nodes: a chain of 24 (Mul, Add, "
