@@ -9,9 +9,9 @@ Builds (once, under --work) two model sizes for two backends:
 - e2b-et, e2b-onnx: `synth --preset e2b --scale 0.25` with its assistant (random weights,
   262144-token vocabulary), Q4_0, max context 1024, depth 3, chunk 128;
 
-and for each bundle calibrates this host (`edgemtp devices calibrate --threads N`, into --work)
-and at once runs `edgemtp bench` on it with that profile: prefill (pp) and decode (tg) at
-depths 0-3.
+and for each bundle calibrates this host (`edgemtp devices calibrate --threads N`, into --work),
+at once runs `edgemtp bench` on it with that profile: prefill (pp) and decode (tg) at depths
+0-3, and calibrates again; each row is predicted from both profiles (their geometric mean).
 The demo pair drafts with its own drafter; the random e2b drafter agrees with nothing, so its
 MTP rows use `--acceptance-oracle 0.7` (the drafter still runs). The simulator is given the
 acceptance each row measured. Writes OUT/simulator_host.{json,md,png} and keeps each bench's
