@@ -180,7 +180,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--context-buckets",
         default="auto",
-        help="cache lengths with their own decode methods that read only that many slots "
+        help="cache lengths with their own prefill and decode methods that read only that "
+        "many slots "
         "(ExecuTorch cpu): comma-separated, 'none', or 'auto' = 512, 2048, ... below "
         "--max-context",
     )

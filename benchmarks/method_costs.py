@@ -3,14 +3,14 @@
     python benchmarks/method_costs.py --bundle DIR [--threads 1] [--repeat 7] [--calls 100]
         [--etdump] [--against OTHER_BUNDLE] [--out benchmarks/results/NAME]
 
-Calls every decode method (verify_K, draft_step; prefill_final with --prefill) with inputs built
-from the manifest's signatures (positions past the prompt, so masks and ring writes are real),
-interleaved, `--repeat` rounds of `--calls` calls: the median ms per call. `--etdump` then loads
-the program again with ExecuTorch's event tracer and splits each method's time by operator
-type (XNNPACK ops inside the delegates, portable kernels outside them, and the per-call
-overhead: DELEGATE_CALL time not covered by the ops inside it). `--against` times another
-bundle's program (e.g. exported by an earlier commit) interleaved with this one: the ratio of
-a change measured side by side. Writes NAME.json and NAME.md.
+Calls every decode method (verify_K, draft_step; prefill_final and its context buckets' with
+--prefill) with inputs built from the manifest's signatures (positions past the prompt, so
+masks and ring writes are real), interleaved, `--repeat` rounds of `--calls` calls: the
+median ms per call. `--etdump` then loads the program again with ExecuTorch's event tracer and
+splits each method's time by operator type (XNNPACK ops inside the delegates, portable kernels
+outside them, and the per-call overhead: DELEGATE_CALL time not covered by the ops inside it).
+`--against` times another bundle's program (e.g. exported by an earlier commit) interleaved with
+this one: the ratio of a change measured side by side. Writes NAME.json and NAME.md.
 The runtime's own Python host overhead is not here: `benchmarks/runtime_backends.py` has it.
 """
 
@@ -46,8 +46,8 @@ def method_inputs(signature: dict) -> tuple[torch.Tensor, ...]:
 
 def decode_methods(manifest: dict, prefill: bool) -> dict[str, tuple[torch.Tensor, ...]]:
     names = [n for n in manifest["methods"] if n.startswith(("verify_", "draft_step"))]
-    if prefill:
-        names.append("prefill_final")
+    if prefill:  # and per context bucket, where the bundle has them
+        names += [n for n in manifest["methods"] if n.startswith("prefill_final")]
     return {n: method_inputs(manifest["methods"][n]) for n in sorted(names)}
 
 

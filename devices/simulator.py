@@ -34,6 +34,7 @@ from typing import Any
 
 from edgemtp.devices.profiles import DelegateProfile, DeviceProfile
 from edgemtp.errors import EdgeMTPError
+from edgemtp.export.static import bucketed
 from edgemtp.model.config import AssistantConfig, TextConfig
 from edgemtp.model.cost import (
     BITS_PER_WEIGHT,
@@ -82,13 +83,23 @@ class Model:
     elementwise: dict[str, int] = field(default_factory=dict)  # method -> non-matmul elements
     linears: dict[str, int] = field(default_factory=dict)  # method -> linear kernels, where counted
     nodes: dict[str, int] = field(default_factory=dict)  # method -> launches that are not matmuls
+    prefill_buckets: bool = True  # prefill methods per context bucket too (older bundles: no)
 
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
-        a method without buckets, e.g. prefill)."""
+        a method that reads the whole cache)."""
         slots = cache_slots(self.target, self.max_context, self.max_draft)
         bucket = next((b for b in self.buckets if end is not None and end <= b), None)
         return static_cache_keys(slots, bucket)
+
+    def prefill(self, final: bool, end: int) -> tuple[str, dict[str, int]]:
+        """The prefill method a chunk of rows ending before `end` runs, and the cache keys it
+        reads per attention kind."""
+        name = "prefill_final" if final else "prefill_intermediate"
+        if not self.prefill_buckets:
+            return name, self.cache_keys()
+        bucket = next((b for b in self.buckets if end <= b), None)
+        return bucketed(name, bucket), self.cache_keys(end)
 
     def verify(self, depth: int) -> tuple[str, int]:
         """The verify method a round of `depth` drafts runs, and the rows it computes."""
@@ -316,8 +327,8 @@ def simulate(
     for start in range(0, prompt, model.chunk):
         rows = range(start, min(start + model.chunk, prompt))
         last = rows.stop == prompt
-        work = forward_work(cfg, rows, int(last), int(last), bits, model.cache_keys())
-        method = "prefill_final" if last else "prefill_intermediate"
+        method, keys = model.prefill(last, rows.stop)
+        work = forward_work(cfg, rows, int(last), int(last), bits, keys)
         owned = layers if last else cfg.first_shared_layer
         launches, counts = _launches(model, method, owned), _kernel_counts(model, method)
         prefill += call_terms(work, unit, dtype, launches, *counts) + _host(host_call)
@@ -451,6 +462,7 @@ def model_from_bundle(bundle: Path) -> Model:
             for name, counts in manifest["backend_details"].get("ops", {}).items()
         },
         nodes,
+        any(name.startswith("prefill_final_ctx") for name in manifest["methods"]),
     )
 
 

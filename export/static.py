@@ -54,11 +54,13 @@ def auto_context_buckets(max_context: int) -> tuple[int, ...]:
 class StaticShapes:
     """The static sizes every graph of a bundle is built for.
 
-    `context_buckets`: cache lengths below `max_context` with their own decode methods
-    (`verify_K_ctxN`, `draft_step_ctxN`) that read only the first N slots of each cache. A
-    static program otherwise reads every slot at every step: on PEER-90M (max context 4096)
-    a decode step at position 100 takes 6.8 ms through the whole cache and 3.8 ms through 512
-    slots. While the context is shorter than N, slot = position % slots < N, so nothing is lost.
+    `context_buckets`: cache lengths below `max_context` with their own methods
+    (`verify_K_ctxN`, `draft_step_ctxN`, `prefill_final_ctxN`, `prefill_intermediate_ctxN`)
+    that read only the first N slots of each cache. A static program otherwise reads every
+    slot at every call: on PEER-90M (max context 4096) a decode step at position 100 takes
+    6.8 ms through the whole cache and 3.8 ms through 512 slots, and a prompt's first chunk
+    attends to all 4097 slots however short the prompt. While the context is shorter than N,
+    slot = position % slots < N, so nothing is lost.
     """
 
     max_context: int
@@ -96,6 +98,10 @@ class StaticShapes:
     def draft_method(self, position: int) -> str:
         """The draft-step method for a step at `position` (it reads positions < it)."""
         return bucketed("draft_step", self.bucket(position))
+
+    def prefill_method(self, final: bool, end: int) -> str:
+        """The prefill method for a chunk whose rows end before position `end`."""
+        return bucketed("prefill_final" if final else "prefill_intermediate", self.bucket(end))
 
 
 def bucketed(method: str, bucket: int | None) -> str:
@@ -228,17 +234,19 @@ class StaticTarget(nn.Module):
         self.kvcache.write(view, new_kv, positions)
         return hidden
 
-    def prefill_intermediate(self, embeds: Tensor, token_ple: Tensor, positions: Tensor) -> Tensor:
+    def prefill_intermediate(
+        self, embeds: Tensor, token_ple: Tensor, positions: Tensor, bucket: int | None = None
+    ) -> Tensor:
         """A full chunk that is not the prompt's last: KV-shared layers skipped. Returns the new
-        cache length [1]."""
-        self._forward(embeds, token_ple, positions, "none", None)
+        cache length [1]. With `bucket`, attention reads only that many cache slots."""
+        self._forward(embeds, token_ple, positions, "none", bucket)
         return positions[-1:] + 1
 
     def prefill_final(
-        self, embeds: Tensor, token_ple: Tensor, positions: Tensor
+        self, embeds: Tensor, token_ple: Tensor, positions: Tensor, bucket: int | None = None
     ) -> tuple[Tensor, Tensor]:
         """The prompt's last chunk (left-padded): (last hidden [hidden], logits [vocab])."""
-        hidden = self._forward(embeds, token_ple, positions, "last", None)
+        hidden = self._forward(embeds, token_ple, positions, "last", bucket)
         assert hidden is not None
         last = hidden[-1]
         return last, self.target.logits(last)
@@ -354,14 +362,11 @@ class StaticBundle:
         """Method name -> (module, example inputs) for `torch.export`; `debug` adds
         `cache_state`."""
         c = self.shapes.chunk
-        out: dict[str, tuple[Method, tuple[Tensor, ...]]] = {
-            "prefill_intermediate": (
-                Method(self.target, "prefill_intermediate"),
-                self.example_inputs(c),
-            ),
-            "prefill_final": (Method(self.target, "prefill_final"), self.example_inputs(c)),
-        }
+        out: dict[str, tuple[Method, tuple[Tensor, ...]]] = {}
         buckets = (None, *self.shapes.context_buckets)
+        for name in ("prefill_intermediate", "prefill_final"):
+            for b in buckets:
+                out[bucketed(name, b)] = (Method(self.target, name, b), self.example_inputs(c))
         for k in self.shapes.verify_depths():
             for b in buckets:
                 out[bucketed(f"verify_{k}", b)] = (

@@ -232,7 +232,8 @@ class StaticBackend:
 
     The host gathers embedding and PLE rows from the (memory-mapped) tables, cuts the prompt
     into `chunk`-row calls (full chunks through `prefill_intermediate`, the rest left-padded into
-    `prefill_final`), and pads a verify round into the smallest `verify_K` that fits. The methods
+    `prefill_final`, each through the smallest context bucket holding its rows), and pads a
+    verify round into the smallest `verify_K` that fits. The methods
     own the cache; rollback is implicit (a write at position p first forgets slots >= p), so
     `truncate` moves nothing. `runner.bytes_copied`, where a runner has it, counts cache rows it
     copies on the host (ONNX Runtime); ExecuTorch and Core ML update the cache in the program.
@@ -299,12 +300,20 @@ class StaticBackend:
         last_start = (n - 1) // c * c
         for i in range(0, last_start, c):
             embeds, ple = self._rows(t[i : i + c])
-            self._call("prefill_intermediate", embeds, ple, torch.arange(start + i, start + i + c))
+            method = self._prefill_method(False, start + i + c)
+            self._call(method, embeds, ple, torch.arange(start + i, start + i + c))
         hidden, logits = self._call(
-            "prefill_final", *self._padded(t[last_start:], start + last_start, c)
+            self._prefill_method(True, start + n),
+            *self._padded(t[last_start:], start + last_start, c),
         )
         self.rings.wrote(start + n)
         return hidden, logits
+
+    def _prefill_method(self, final: bool, end: int) -> str:
+        """The smallest context bucket's prefill method the program has (bundles exported
+        before prefill had buckets have the whole-cache ones only)."""
+        method = self.shapes.prefill_method(final, end)
+        return method if method in self.runner.methods else method.split("_ctx")[0]
 
     def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]:
         """Logits and hidden states of `ids` at `position`.., through the smallest verify

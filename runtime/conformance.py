@@ -81,7 +81,8 @@ FIELDS = {
     "round), slots (per attention kind, the cache slot of each verify row, pad rows first: "
     "position % slots, pad rows the trash slot)",
     "method_choice[]": "StaticShapes' method choice, model-free: shapes, verify[] (depth, end "
-    "= one past the last verified position, method, pad) and draft[] (position, method)",
+    "= one past the last verified position, method, pad), draft[] (position, method) and "
+    "prefill[] (final, end = one past the chunk's last row, method)",
 }
 
 
@@ -376,8 +377,8 @@ def mid_round_stop(case: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def method_choice(shapes: StaticShapes) -> dict[str, Any]:
-    """`StaticShapes`' verify and draft method for depths and positions around every bucket
-    boundary and at both ends of the context."""
+    """`StaticShapes`' verify, draft and prefill method for depths and positions around every
+    bucket boundary and at both ends of the context."""
     edges = {1, 2, shapes.max_context - 1, shapes.max_context}
     for b in shapes.context_buckets:
         edges |= {b - 1, b, b + 1}
@@ -395,6 +396,11 @@ def method_choice(shapes: StaticShapes) -> dict[str, Any]:
             {"position": p, "method": shapes.draft_method(p)}
             for p in ends
             if p < shapes.max_context
+        ],
+        "prefill": [
+            {"final": final, "end": end, "method": shapes.prefill_method(final, end)}
+            for final in (False, True)
+            for end in ends
         ],
     }
 
@@ -618,7 +624,7 @@ def expected_calls(case: Mapping[str, Any], vocab: int) -> list[_Expected]:
     for i, c in enumerate(case["prefill"]["calls"]):
         rows = prompt[c["start"] : c["start"] + c["rows"]]
         end = c["start"] + c["rows"]
-        if c["method"] == "prefill_intermediate":
+        if c["method"].startswith("prefill_intermediate"):
             outputs = lambda end=end: (torch.tensor([end]),)  # noqa: E731
         else:
             outputs = lambda: (torch.zeros(1), _one_hot(vocab, [first])[0])  # noqa: E731
@@ -757,7 +763,7 @@ def replay_vectors(vectors: Mapping[str, Any]) -> dict[str, int]:
         difference = _first_difference(table, json.loads(json.dumps(want)))
         if difference:
             raise ConformanceMismatch(f"method_choice: {difference.lstrip('.')}")
-        choices += len(table["verify"]) + len(table["draft"])
+        choices += len(table["verify"]) + len(table["draft"]) + len(table["prefill"])
     return {
         "cases": len(vectors["cases"]),
         "rounds": sum(len(c["rounds"]) for c in vectors["cases"]),

@@ -474,10 +474,10 @@ def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
 
 
 def test_context_bucket_methods_read_the_live_cache(checkpoints, tmp_path):
-    """An fp32 program with a 24-slot context bucket: its bucketed verify slices the shared
+    """An fp32 program with a 24-slot context bucket: its bucketed methods slice the shared
     cache buffer in the program (a stale or copied buffer would read zeros); every bucketed
-    call returns what the whole-cache method returns on the same cache, and the tokens are
-    the reference engine's."""
+    decode call returns what the whole-cache method returns on the same cache, and the tokens,
+    after a prompt prefilled through the bucket, are the reference engine's."""
     target, _ = _load(checkpoints, "none")
     shapes = StaticShapes(64, 0, 8, (24,))
     result = lower_executorch(
@@ -498,6 +498,7 @@ def test_context_bucket_methods_read_the_live_cache(checkpoints, tmp_path):
     runner = WholeCacheCheck(ExecuTorchRunner(tmp_path / result.program, shapes))
     got = greedy(StaticBackend(runner, reference.tables, reference.cfg), _prompt(), N_NEW, 0)
     assert got.calls["verify_0_ctx24"] == 3 and got.calls["verify_0"] == N_NEW - 4
+    assert got.calls["prefill_final_ctx24"] == 1 and "prefill_final" not in got.calls
     assert runner.worst < 1e-5
     assert got.tokens == expected
     alone = ExecuTorchRunner(tmp_path / result.program, shapes)  # its own bookkeeping only

@@ -203,6 +203,49 @@ def test_context_buckets_alone_keep_the_cache(paths, reference):
     assert {"verify_2_ctx12", "verify_2_ctx48", "draft_step_ctx12"} <= set(got.calls)
 
 
+@pytest.mark.parametrize(
+    ("n", "methods"),
+    [
+        (5, {"prefill_final_ctx12"}),
+        (30, {"prefill_intermediate_ctx12", "prefill_intermediate_ctx48", "prefill_final_ctx48"}),
+        (60, {"prefill_intermediate_ctx12", "prefill_intermediate_ctx48",
+              "prefill_intermediate", "prefill_final"}),
+    ],
+)  # fmt: skip
+def test_context_buckets_prefill_like_the_whole_cache(paths, reference, n, methods):
+    """Each prompt chunk runs through the smallest bucket holding its rows (reading 12 or 48
+    slots) and leaves a cache from which decoding, past both buckets, gives the reference's
+    tokens. (`WholeCacheCheck` cannot run a prefill chunk twice: a chunk that wraps the
+    sliding ring overwrites keys that its second run would still read.)"""
+    ref_target, _ = reference
+    prompt = _prompt(n)
+    ref = generate(ref_target, prompt, 30, prefill_chunk=8)
+    target, drafter = _load(paths)
+    bundle = StaticBundle.build(target.model, drafter.model, BUCKETED)
+    got = greedy(StaticBackend(EagerRunner(bundle), target.tables, target.cfg), prompt, 30, 0)
+    assert got.tokens == ref.tokens
+    assert {m for m in got.calls if m.startswith("prefill")} == methods
+
+
+def test_a_bundle_without_prefill_buckets_prefills_through_the_whole_cache(paths, reference):
+    """Bundles exported before prefill had buckets hold bucketed decode methods only: the
+    runtime then prefills through the whole-cache methods, with the same tokens."""
+    ref_target, _ = reference
+    ref = generate(ref_target, _prompt(30), 10, prefill_chunk=8)
+    target, drafter = _load(paths)
+    runner = EagerRunner(StaticBundle.build(target.model, drafter.model, BUCKETED))
+    runner.methods = {
+        name: m for name, m in runner.methods.items() if not name.startswith("prefill_")
+        or "_ctx" not in name
+    }  # fmt: skip
+    got = greedy(StaticBackend(runner, target.tables, target.cfg), _prompt(30), 10, 0)
+    assert got.tokens == ref.tokens
+    assert {m for m in got.calls if m.startswith("prefill")} == {
+        "prefill_intermediate", "prefill_final"
+    }  # fmt: skip
+    assert "verify_0_ctx48" in got.calls
+
+
 def test_context_buckets_must_fit_between_depth_and_context():
     with pytest.raises(ValueError, match="between the draft depth"):
         StaticShapes(96, 2, 8, (2,))
@@ -214,6 +257,8 @@ def test_context_buckets_must_fit_between_depth_and_context():
     assert shapes.verify_method(0, end=13) == ("verify_0_ctx48", 0)
     assert shapes.verify_method(2, end=49) == ("verify_2", 0)
     assert shapes.draft_method(48) == "draft_step_ctx48"
+    assert shapes.prefill_method(False, 12) == "prefill_intermediate_ctx12"
+    assert shapes.prefill_method(True, 49) == "prefill_final"
     assert [auto_context_buckets(n) for n in (1024, 2048, 4096, 32768)] == [
         (),
         (512,),

@@ -63,6 +63,8 @@ def test_method_flops_equal_torch_flop_counter(pair):
     expected = {
         "prefill_intermediate": forward_work(cfg, range(8), 0, 0, 4.5, whole).flops,
         "prefill_final": forward_work(cfg, range(8), 1, 1, 4.5, whole).flops,
+        "prefill_intermediate_ctx24": forward_work(cfg, range(8), 0, 0, 4.5, bucket).flops,
+        "prefill_final_ctx24": forward_work(cfg, range(8), 1, 1, 4.5, bucket).flops,
         "verify_0": forward_work(cfg, range(1), 1, 1, 4.5, whole).flops,
         "verify_3": forward_work(cfg, range(4), 4, 4, 4.5, whole).flops,
         "verify_0_ctx24": forward_work(cfg, range(1), 1, 1, 4.5, bucket).flops,
@@ -243,6 +245,25 @@ def test_the_hosts_cost_is_added_per_call_and_per_logit_row():
     assert t["prefill"].host_s == pytest.approx(chunks * call + row)
     round_2 = t["verify_2"].seconds + 2 * t["draft_step"].seconds
     assert 1000 * round_2 == pytest.approx(hosted.round_ms[2])
+
+
+def test_a_prompt_is_priced_through_the_context_bucket_its_chunks_fit():
+    """As the runtime runs it: a chunk ending within a context bucket reads that bucket's
+    slots, others the whole cache; a bundle exported before prefill had buckets reads the
+    whole cache for every chunk."""
+    model = model_from_preset("e2b", "q4_0", 4096, 128, buckets=(512, 2048))
+    whole = model.cache_keys()
+    assert model.prefill(True, 100) == ("prefill_final_ctx512", model.cache_keys(100))
+    assert model.cache_keys(100)["full"] == 512 < whole["full"]
+    assert model.prefill(False, 640) == ("prefill_intermediate_ctx2048", model.cache_keys(2048))
+    assert model.prefill(True, 3000) == ("prefill_final", whole)
+    older = replace(model, prefill_buckets=False)
+    assert older.prefill(True, 100) == ("prefill_final", whole)
+    profile = load_profile("galaxy-s26-ultra")
+    acceptance = mean_acceptance(0.7, 0.9, 3)
+    ttft = {m.prefill_buckets: simulate(m, profile, "cpu", (0,), acceptance, 256, 16).ttft_s
+            for m in (model, older)}  # fmt: skip
+    assert ttft[True] < ttft[False]
 
 
 def test_acceptance_from_a_trace_counted_by_hand(tmp_path):

@@ -68,6 +68,10 @@ std::string Shapes::draft_method(int position) const {
   return bucketed("draft_step", bucket(position));
 }
 
+std::string Shapes::prefill_method(bool final, int end) const {
+  return bucketed(final ? "prefill_final" : "prefill_intermediate", bucket(end));
+}
+
 // --- rings -------------------------------------------------------------------------------------
 
 RingTracker::RingTracker(std::vector<int> slots, int window)
@@ -332,6 +336,23 @@ std::vector<std::string> BundleConfig::required_methods() const {
   return out;
 }
 
+std::vector<std::string> BundleConfig::called_methods() const {
+  std::vector<std::string> out = required_methods();
+  for (const std::string& name : methods) {
+    if (name.rfind("prefill_", 0) == 0 && name.find("_ctx") != std::string::npos) {
+      out.push_back(name);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string BundleConfig::prefill_method(bool final, int end) const {
+  std::string name = shapes.prefill_method(final, end);
+  if (std::binary_search(methods.begin(), methods.end(), name)) return name;
+  return final ? "prefill_final" : "prefill_intermediate";
+}
+
 // --- rows --------------------------------------------------------------------------------------
 
 std::vector<int> RowCall::positions() const {
@@ -393,12 +414,14 @@ void Decoder::prefill(const std::vector<int>& ids, int start, Generation& out) {
   const int last_start = (n - 1) / chunk * chunk;
   for (int i = 0; i < last_start; i += chunk) {
     std::vector<int> rows(ids.begin() + i, ids.begin() + i + chunk);
-    out.prefill_calls.push_back(row_call("prefill_intermediate", rows, start + i, 0));
+    out.prefill_calls.push_back(
+        row_call(config_.prefill_method(false, start + i + chunk), rows, start + i, 0));
     model_.prefill_intermediate(out.prefill_calls.back());
   }
   std::vector<int> rows(ids.begin() + last_start, ids.end());
   int pad = chunk - static_cast<int>(rows.size());
-  out.prefill_calls.push_back(row_call("prefill_final", rows, start + last_start, pad));
+  out.prefill_calls.push_back(
+      row_call(config_.prefill_method(true, start + n), rows, start + last_start, pad));
   LogitsRow logits = model_.prefill_final(out.prefill_calls.back());
   check_row(logits, "prefill_final");
   out.first_token = sampling_.greedy()

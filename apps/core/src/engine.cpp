@@ -232,7 +232,7 @@ struct Engine::Impl : public Model {
   void read_method_io() {
     const json::Value& method_io = member(manifest, "method_io", "manifest");
     const json::Value& logical = member(manifest, "methods", "manifest");
-    for (const std::string& method : config.required_methods()) {
+    for (const std::string& method : config.called_methods()) {
       const std::string where = "method_io." + method;
       const json::Value* declared = method_io.find(method);
       const json::Value& signature = member(logical, method, "methods");
@@ -316,10 +316,10 @@ struct Engine::Impl : public Model {
     expect(m.inputs, 0, DType::kFloat32, {rows, hidden}, "embeddings input");
     expect(m.inputs, 1, DType::kFloat32, {rows, num_layers, ple}, "per-layer input");
     expect(m.inputs, 2, DType::kInt64, {rows}, "positions input");
-    if (method == "prefill_final") {
+    if (method.rfind("prefill_final", 0) == 0) {
       expect(m.outputs, 0, DType::kFloat32, {hidden}, "hidden output");
       expect(m.outputs, 1, DType::kFloat32, {vocab}, "logits output");
-    } else if (method != "prefill_intermediate") {
+    } else if (method.rfind("prefill_intermediate", 0) != 0) {
       expect(m.outputs, 0, DType::kFloat32, {rows, vocab}, "logits output");
       expect(m.outputs, 1, DType::kFloat32, {rows, hidden}, "hidden output");
     }

@@ -337,7 +337,13 @@ std::size_t check_method_choice(const Value& table) {
       throw Mismatch(where + ": draft " + row.dump() + ": got " + got);
     }
   }
-  return table["verify"].size() + table["draft"].size();
+  for (const Value& row : table["prefill"].as_array()) {
+    std::string got = shapes.prefill_method(row["final"].as_bool(), row["end"].as_int32());
+    if (got != row["method"].as_string()) {
+      throw Mismatch(where + ": prefill " + row.dump() + ": got " + got);
+    }
+  }
+  return table["verify"].size() + table["draft"].size() + table["prefill"].size();
 }
 
 }  // namespace

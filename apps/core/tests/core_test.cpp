@@ -92,6 +92,9 @@ void test_shapes() {
   CHECK_EQ(s.draft_method(512), std::string("draft_step_ctx512"));
   CHECK_EQ(s.draft_method(513), std::string("draft_step_ctx2048"));
   CHECK_EQ(s.draft_method(8000), std::string("draft_step"));
+  CHECK_EQ(s.prefill_method(false, 512), std::string("prefill_intermediate_ctx512"));
+  CHECK_EQ(s.prefill_method(true, 513), std::string("prefill_final_ctx2048"));
+  CHECK_EQ(s.prefill_method(true, 2049), std::string("prefill_final"));
   CHECK(throws<edgemtp::Error>([&] { s.verify_method(4, 10); }, "at most 3"));
   edgemtp::Shapes ar{64, 0, 16, {}};
   CHECK_EQ(ar.verify_method(0, 5).method, std::string("verify_0"));

@@ -42,7 +42,7 @@ struct Shapes {
   int max_context = 0;
   int max_draft = 0;
   int chunk = 0;                      // rows per prefill call
-  std::vector<int> context_buckets;  // cache lengths with their own decode methods, ascending
+  std::vector<int> context_buckets;  // cache lengths with their own methods, ascending
 
   // Throws Error unless the sizes are positive and each bucket lies in (max_draft, max_context).
   void validate() const;
@@ -54,6 +54,10 @@ struct Shapes {
   MethodChoice verify_method(int depth, std::optional<int> end) const;
   // The draft-step method for a step at `position` (it reads positions < position).
   std::string draft_method(int position) const;
+  // The prefill method (prefill_final when `final`, else prefill_intermediate) for a chunk
+  // whose rows end before `end`; bundles exported before prefill had buckets lack it (see
+  // BundleConfig::prefill_method).
+  std::string prefill_method(bool final, int end) const;
 };
 
 // One attention kind's cache buffer (manifest "cache.kinds"): a slot per position for full
@@ -133,6 +137,11 @@ struct BundleConfig {
   // prefill_final, verify_<depth> per verify depth and draft_step (with a drafter), each
   // also per context bucket (verify_3_ctx512, draft_step_ctx512).
   std::vector<std::string> required_methods() const;
+  // Every method the decoder calls in this program: required_methods and the bucketed prefill
+  // methods the program has (bundles exported since 2026-12-02), sorted.
+  std::vector<std::string> called_methods() const;
+  // Shapes::prefill_method where the program has it, else the whole-cache prefill method.
+  std::string prefill_method(bool final, int end) const;
 };
 
 // One call of a row method (a prefill chunk or a verify round): `rows` real rows at positions
