@@ -473,16 +473,22 @@ def stored_bits(
     manifest: dict[str, Any], cfg: TextConfig, drafter: AssistantConfig | None
 ) -> float | None:
     """Bits per 4-bit linear weight as the bundle's program stores them: an ExecuTorch program
-    4-bit codes, a bf16 scale per group and an fp32 offset per block that needs one (negative
-    Q4_0 scales, zero points other than 8: `offset_blocks`); ONNX MatMulNBits 4-bit codes, an
-    fp32 scale per group and 4-bit zero points when asymmetric. None: the scheme's nominal."""
+    4-bit codes, a bf16 scale per group and, in every linear with a block that needs an offset
+    (negative Q4_0 scales, zero points other than 8), an fp32 offset per block of it
+    (`offset_values`; bundles that only counted the blocks needing one, `offset_blocks`,
+    stored them the same way: Q4_0 from llama.cpp has such a block in nearly every linear, so
+    those count as one per block); ONNX MatMulNBits 4-bit codes, an fp32 scale per group and
+    4-bit zero points when asymmetric. None: the scheme's nominal."""
     scheme = manifest["quantization"]["scheme"]
     group = GROUP.get(scheme)
     if group is None:
         return None
     if manifest["backend"] == "executorch":
-        offsets = manifest["backend_details"].get("offset_blocks", 0)
-        return 4 + 16 / group + 32 * offsets / linear_weights(cfg, drafter)
+        details, weights = manifest["backend_details"], linear_weights(cfg, drafter)
+        offsets = details.get("offset_values")
+        if offsets is None:
+            offsets = weights / group if details.get("offset_blocks") else 0
+        return 4 + 16 / group + 32 * offsets / weights
     if manifest["backend"] == "onnx":
         return 4 + 32 / group + (4 / group if scheme == "w4a16" else 0)
     return None

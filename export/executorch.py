@@ -359,6 +359,13 @@ def xnnpack_forms(model: nn.Module, role: str = "") -> dict[str, Any]:
             module.register_buffer("eps_bias", torch.tensor([module.eps]), persistent=False)
     stats = swap_int4(model, Int4Linear.xnnpack, role)
     stats["fused_linears"] = fuse_shared_input_linears(model)
+    # What the program stores: one fp32 offset per block of every linear that has any (a
+    # dense [out, blocks] matrix, positive blocks' zeros included), read at every call.
+    stats["offset_values"] = sum(
+        m.offset.numel()
+        for m in model.modules()
+        if isinstance(m, Int4Linear) and m.offset is not None
+    )
     return stats
 
 
@@ -556,6 +563,7 @@ def _lower_xnnpack(static: StaticBundle, out_dir: Path, progress: Progress) -> L
         "delegation": summary,
         "int4_linears": stats["int4"],
         "offset_blocks": stats["offset_blocks"],
+        "offset_values": stats["offset_values"],
         "fused_linears": stats.get("fused_linears", 0),
         "float_linears": stats["float_linears"],
         "full_xnnpack_pipeline": full,  # partition tag -> op that needed every XNNPACK pass

@@ -469,6 +469,12 @@ def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     modules = [*target.model.modules(), *drafter.model.modules()]
     # every 4-bit linear but the drafter's head, which is gathered by token id
     assert sum(details["int4_linears"].values()) == sum(int4_of(m) is not None for m in modules) - 1
+    # one fp32 offset per block of every 4-bit linear, the drafter's head's too (each has a
+    # block with a negative Q4_0 scale or a zero point other than 8), stored dense: what the
+    # simulator counts as read
+    blocks = sum(w.shape[0] * w.shape[1] // w.group for w in map(int4_of, modules) if w is not None)
+    assert details["offset_values"] == blocks
+    assert 0 < details["offset_blocks"] < details["offset_values"]
     assert "8da4w" in result.numerics["weights"] and "exact" in result.numerics["weights"]
     assert "int8" in result.numerics["activations"]
 
