@@ -1,0 +1,279 @@
+"""Full-size E2B Q4_0 AR decode against this machine's memory-bandwidth roofline (issue 7).
+
+    python benchmarks/roofline_e2b.py --work /work/e2b [--threads 2] [--repeat 5]
+        [--prompt 64] [--tokens 128] [--out benchmarks/results]
+
+Builds under --work, once (about 35 minutes and 19 GiB of memory here, most of it ExecuTorch's
+lowering):
+
+    edgemtp synth --preset e2b --out WORK/e2b
+    edgemtp export --model WORK/e2b --quant q4_0 --backend executorch --delegate cpu \\
+        --max-context 1024 --prefill-chunk 128 --out WORK/bundle
+
+(target only: AR decode needs no drafter). Then, in this process, one session over the bundle
+with N threads, and per repeat, alternating: the machine's read bandwidth, measured in a fresh
+process with the same N threads (`--probe`: a float32 array 8x the last-level cache summed
+again and again, median pass; a fresh process so that its buffer never counts toward the
+session's RSS), then greedy AR decoding of `--tokens` after a fresh random `--prompt`. A
+token's bytes are what the simulator counts for one decode step of this bundle at the run's
+middle position: every weight the program holds at the bits it stores them with (4-bit codes,
+bf16 scales, the offset blocks of negative Q4_0 scales), the LM head included, and the K/V the
+static program reads. Roofline tok/s = bandwidth / bytes per token; each repeat's fraction
+compares the two measured side by side. Peak RSS: this process's high-water mark.
+Writes OUT/roofline_e2b.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
+GOAL = 0.70  # issue 7: AR decode at >= 70 % of the memory-bandwidth roofline
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def build(work: Path) -> Path:
+    checkpoint, bundle = work / "e2b", work / "bundle"
+    if not (checkpoint / "config.json").is_file():
+        say("synthesizing the full-size E2B checkpoint (random weights, bf16)")
+        subprocess.run([*EDGEMTP, "synth", "--preset", "e2b", "--out", str(checkpoint)], check=True)
+    if not (bundle / "manifest.json").is_file():
+        say("exporting it (Q4_0, ExecuTorch XNNPACK): about 35 minutes here")
+        subprocess.run([*EDGEMTP, "export", "--model", str(checkpoint), "--quant", "q4_0",
+                        "--backend", "executorch", "--delegate", "cpu", "--max-context", "1024",
+                        "--prefill-chunk", "128", "--out", str(bundle)], check=True)  # fmt: skip
+    return bundle
+
+
+def read_bandwidth_gbs(threads: int, passes: int = 7) -> float:
+    """GB/s of `threads` threads reading a float32 array 8x the last-level cache (at least
+    1 GiB): torch's sum, one read of every byte per pass, median of `passes` after one warm-up."""
+    import torch
+
+    from edgemtp.devices.calibrate import resident_mb
+
+    torch.set_num_threads(threads)
+    llc_mb = 2 * (resident_mb() or 16)
+    data = torch.ones(max(2**30, int(8 * llc_mb * 2**20)) // 4)
+    data.sum()
+    seconds = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        data.sum()
+        seconds.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(seconds) / 1e9
+
+
+def probe_in_fresh_process(threads: int) -> float:
+    out = subprocess.run(
+        [sys.executable, __file__, "--probe", "--threads", str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def bytes_per_token(bundle: Path, position: int) -> dict[str, float]:
+    """The simulator's count for one AR decode step of `bundle` at `position`."""
+    from edgemtp.devices.simulator import model_from_bundle
+    from edgemtp.model.cost import forward_work
+
+    model = model_from_bundle(bundle)
+    rows = range(position, position + 1)
+    work = forward_work(model.target, rows, 1, 1, model.bits, model.cache_keys(position + 1))
+    return {
+        "total": work.bytes,
+        "weights": work.weight_bytes,
+        "kv_cache": work.cache_bytes,
+        "bits_per_weight": model.bits,
+    }
+
+
+def measure(bundle: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from edgemtp.runtime.probes import current_rss_mb, peak_rss_mb
+    from edgemtp.runtime.session import Session
+
+    torch.set_num_threads(args.threads)
+    say(f"loading {bundle} ({args.threads} threads)")
+    start = time.perf_counter()
+    session = Session.from_bundle(bundle, threads=args.threads, verify=False)
+    load_s = time.perf_counter() - start
+    per_token = bytes_per_token(bundle, args.prompt + args.tokens // 2)
+    gen = torch.Generator().manual_seed(0)
+    vocab = session.backend.vocab_size
+
+    def decode() -> dict[str, Any]:
+        prompt = torch.randint(3, vocab, (args.prompt,), generator=gen).tolist()
+        with torch.no_grad():
+            result = session.generate(prompt, args.tokens, mtp=0, stop_ids=())
+        m = result.metrics()
+        steps = m["decode_forwards"]
+        phases = {k: 1000 * v / steps for k, v in m["decode_seconds_by_phase"].items()}
+        return {"tok_s": m["decode_tok_s"], "ms_per_step": phases}
+
+    say("warm-up decode (not counted)")
+    decode()
+    runs = []
+    for r in range(args.repeat):
+        bandwidth = probe_in_fresh_process(args.threads)
+        run = decode()
+        achieved = run["tok_s"] * per_token["total"] / 1e9
+        runs.append({"bandwidth_gbs": bandwidth, **run, "achieved_gbs": achieved,
+                     "fraction": achieved / bandwidth})  # fmt: skip
+        say(
+            f"repeat {r + 1}/{args.repeat}: read bandwidth {bandwidth:.1f} GB/s, decode "
+            f"{run['tok_s']:.2f} tok/s = {achieved:.1f} GB/s ({achieved / bandwidth:.0%})"
+        )
+    return {
+        "load_s": load_s,
+        "bytes_per_token": per_token,
+        "runs": runs,
+        "peak_rss_gib": peak_rss_mb() / 1024,
+        "rss_after_gib": current_rss_mb() / 1024,
+    }
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    runs = result["runs"]
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    fractions = [r["fraction"] for r in runs]
+    return {
+        "tok_s": med("tok_s"),
+        "bandwidth_gbs": med("bandwidth_gbs"),
+        "achieved_gbs": med("achieved_gbs"),
+        "roofline_tok_s": med("bandwidth_gbs") * 1e9 / result["bytes_per_token"]["total"],
+        "fraction": statistics.median(fractions),
+        "fraction_range": [min(fractions), max(fractions)],
+        "meets_goal": statistics.median(fractions) >= GOAL,
+    }
+
+
+def machine() -> str:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor(),
+    )  # fmt: skip
+    return f"{cpu}, {os.cpu_count()} logical CPUs, Linux {platform.release()}"
+
+
+def report(doc: dict[str, Any]) -> str:
+    s, b = doc["summary"], doc["bytes_per_token"]
+    gib = 2**30
+    lines = [
+        "# Full-size E2B Q4_0 AR decode against the memory-bandwidth roofline",
+        "",
+        f"`{doc['command']}` ({doc['date']}; {doc['machine']}; {doc['threads']} threads, "
+        f"prompt {doc['prompt']}, {doc['tokens']} tokens AR, {len(doc['runs'])} repeats)",
+        "",
+        f"Bytes per token (the simulator's count for this bundle at position "
+        f"{doc['prompt'] + doc['tokens'] // 2}): {b['total'] / gib:.3f} GiB = weights "
+        f"{b['weights'] / gib:.3f} GiB at {b['bits_per_weight']:.2f} bits per linear weight "
+        f"(LM head included) + K/V {b['kv_cache'] / 2**20:.1f} MiB.",
+        "",
+        "| repeat | read bandwidth GB/s | decode tok/s | roofline tok/s | achieved GB/s | "
+        "fraction | ms per step: target / embed / sampling / host |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for i, r in enumerate(doc["runs"], 1):
+        ms = r["ms_per_step"]
+        lines.append(
+            f"| {i} | {r['bandwidth_gbs']:.1f} | {r['tok_s']:.2f} | "
+            f"{r['bandwidth_gbs'] * 1e9 / b['total']:.2f} | {r['achieved_gbs']:.1f} | "
+            f"{r['fraction']:.0%} | {ms['target']:.1f} / {ms['embed']:.2f} / "
+            f"{ms['sampling']:.2f} / {ms['host']:.2f} |"
+        )
+    lo, hi = s["fraction_range"]
+    lines += [
+        f"| **median** | **{s['bandwidth_gbs']:.1f}** | **{s['tok_s']:.2f}** | "
+        f"**{s['roofline_tok_s']:.2f}** | **{s['achieved_gbs']:.1f}** | **{s['fraction']:.0%}** "
+        "| |",
+        "",
+        f"Fraction of the roofline: median {s['fraction']:.0%} (range {lo:.0%}-{hi:.0%}); goal "
+        f">= {GOAL:.0%}: {'met' if s['meets_goal'] else 'missed'}. Peak RSS "
+        f"{doc['peak_rss_gib']:.2f} GiB (after decoding {doc['rss_after_gib']:.2f} GiB; "
+        f"bundle loaded in {doc['load_s']:.0f} s).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, total = doc["runs"], doc["bytes_per_token"]["total"]
+    x = range(1, len(runs) + 1)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.bar([i - 0.2 for i in x], [r["bandwidth_gbs"] * 1e9 / total for r in runs], 0.4,
+           label="roofline (read bandwidth / bytes per token)", color="tab:gray")  # fmt: skip
+    ax.bar([i + 0.2 for i in x], [r["tok_s"] for r in runs], 0.4, label="edgemtp AR decode",
+           color="tab:blue")  # fmt: skip
+    for i, r in zip(x, runs, strict=True):
+        ax.annotate(f"{r['fraction']:.0%}", (i + 0.2, r["tok_s"]), ha="center", va="bottom")
+    ax.set_xlabel("repeat (bandwidth measured just before each decode)")
+    ax.set_ylabel("tok/s")
+    ax.set_title(f"Full-size E2B Q4_0, {doc['threads']} threads: decode vs roofline")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=Path("/tmp/edgemtp-e2b"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.probe:
+        print(read_bandwidth_gbs(args.threads))
+        return
+    bundle = build(args.work)
+    result = measure(bundle, args)
+    doc = {
+        "command": "python benchmarks/roofline_e2b.py " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "threads": args.threads,
+        "prompt": args.prompt,
+        "tokens": args.tokens,
+        "bundle": str(bundle),
+        **result,
+    }
+    doc["summary"] = summary(doc)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "roofline_e2b.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.out / "roofline_e2b.md").write_text(report(doc))
+    plot(doc, args.out / "roofline_e2b.png")
+    print(report(doc))
+
+
+if __name__ == "__main__":
+    main()
