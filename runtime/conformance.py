@@ -26,7 +26,7 @@ import json
 import os
 import random
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -775,8 +775,8 @@ def replay_vectors(vectors: Mapping[str, Any]) -> dict[str, int]:
 
 
 def python_methods(shapes: StaticShapes, has_drafter: bool) -> list[str]:
-    """The methods an export for `shapes` holds (`StaticBundle.methods`, named without a
-    model), which are those the Python runtime's StaticBackend may call."""
+    """The methods every export for `shapes` holds and a decode engine requires (ExecuTorch
+    exports since 2026-12-02 also hold bucketed prefill methods, called where present)."""
     names = ["prefill_intermediate", "prefill_final"]
     for bucket in (None, *shapes.context_buckets):
         names += [bucketed(f"verify_{k}", bucket) for k in shapes.verify_depths()]
@@ -784,17 +784,23 @@ def python_methods(shapes: StaticShapes, has_drafter: bool) -> list[str]:
     return sorted(names)
 
 
-def python_round(shapes: StaticShapes, has_drafter: bool, depth: int, end: int) -> dict[str, Any]:
-    """What the Python side does for a round of `depth` drafts ending at `end`, in the form
-    manifest_test prints; "error" when it cannot run such a round."""
+def python_round(
+    shapes: StaticShapes, has_drafter: bool, depth: int, end: int, methods: Collection[str]
+) -> dict[str, Any]:
+    """What the Python side does for a round of `depth` drafts ending at `end` (and for a
+    prompt ending there: its last prefill chunk's method, bucketed where `methods` has it), in
+    the form manifest_test prints; "error" when it cannot run such a round."""
     if not depth + 1 <= end <= shapes.max_context:  # StaticBackend: "context full"
         return {"depth": depth, "end": end, "error": True}
+    prefill = shapes.prefill_method(True, end)
+    prefill = prefill if prefill in methods else "prefill_final"
     try:
         method, pad = shapes.verify_method(depth, end)
     except ValueError:  # deeper than every verify method
-        return {"depth": depth, "end": end, "error": True}
+        return {"depth": depth, "end": end, "prefill": prefill, "error": True}
     draft = shapes.draft_method(end - depth - 1) if depth and has_drafter else None
-    return {"depth": depth, "end": end, "verify": method, "pad": pad, "draft": draft}
+    return {"depth": depth, "end": end, "prefill": prefill, "verify": method, "pad": pad,
+            "draft": draft}  # fmt: skip
 
 
 def boundary_rounds(shapes: StaticShapes, has_drafter: bool) -> list[str]:
@@ -838,6 +844,10 @@ def manifest_mismatches(
         "has_drafter": drafter is not None,
         "methods": sorted(manifest["methods"]),
         "required_methods": python_methods(shapes, drafter is not None),
+        "called_methods": sorted(
+            {*python_methods(shapes, drafter is not None)}
+            | {m for m in manifest["methods"] if m.startswith("prefill_") and "_ctx" in m}
+        ),
     }
     problems = [
         f"{key}: core {core.get(key)!r}, manifest/Python {value!r}"
@@ -855,7 +865,8 @@ def manifest_mismatches(
     if asked != wanted:
         problems.append(f"rounds: core {asked}, Python {wanted}")
     for row in rounds:
-        want = python_round(shapes, drafter is not None, row["depth"], row["end"])
+        want = python_round(shapes, drafter is not None, row["depth"], row["end"],
+                            manifest["methods"])  # fmt: skip
         got = {**row, "error": True} if "error" in row else row
         if got != want:
             problems.append(f"round {row['depth']}:{row['end']}: core {row}, Python {want}")

@@ -94,12 +94,13 @@ def validator() -> jsonschema.Draft202012Validator:
 
 def with_context_buckets(manifest: Manifest, buckets: tuple[int, ...]) -> Manifest:
     """`manifest` as an ExecuTorch cpu export with `--context-buckets` writes it: the buckets in
-    its shapes and, per bucket, each decode method again under its bucketed name
+    its shapes and, per bucket, each prefill and decode method again under its bucketed name
     (`StaticBundle.methods`: same inputs and outputs, reading only the bucket's slots)."""
     shapes = StaticShapes(**{**manifest["shapes"], "context_buckets": buckets})
     out = copy.deepcopy(manifest)
     out["shapes"]["context_buckets"] = list(shapes.context_buckets)
-    decode = [f"verify_{k}" for k in shapes.verify_depths()]
+    decode = ["prefill_intermediate", "prefill_final"]
+    decode += [f"verify_{k}" for k in shapes.verify_depths()]
     decode += ["draft_step"] if manifest["drafter"] is not None else []
     for bucket in shapes.context_buckets:
         for name in decode:
@@ -173,6 +174,24 @@ def test_bucketed_copy_exercises_every_bucket(core, executorch_bucketed_manifest
     assert verify[(0, 1)] == "verify_0_ctx32" and verify[(0, 96)] == "verify_0"
     drafts = {r["draft"] for r in seen["rounds"]}
     assert {"draft_step_ctx32", "draft_step_ctx64", "draft_step"} <= drafts
+    prefill = {r["end"]: r["prefill"] for r in seen["rounds"]}
+    assert prefill[32] == "prefill_final_ctx32" and prefill[33] == "prefill_final_ctx64"
+    assert prefill[96] == "prefill_final"
+
+
+def test_bucketed_manifest_without_prefill_buckets_prefills_whole(core, tmp_path):
+    """A bucketed export from before prefill had buckets: the core still takes it (its
+    required methods are there) and prefills through the whole-cache methods."""
+    manifest = with_context_buckets(json.loads(EXECUTORCH_SEED.read_text()), SEED_BUCKETS)
+    for table in ("methods", "method_io"):
+        kept = [k for k in manifest[table] if not k.startswith("prefill_") or "_ctx" not in k]
+        manifest[table] = {k: manifest[table][k] for k in kept}
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(manifest))
+    seen = understood(core, path)
+    assert manifest_mismatches(seen, manifest) == []
+    assert {r["prefill"] for r in seen["rounds"] if "prefill" in r} == {"prefill_final"}
+    assert seen["called_methods"] == seen["required_methods"] == seen["methods"]
 
 
 def test_explicit_rounds_match_static_shapes(core, executorch_bucketed_manifest):
@@ -345,6 +364,7 @@ def test_core_understands_the_manifest_export_writes(name, core, validator, requ
     assert (seen["backend"], seen["delegate"], seen["program"]) == (backend, delegate, program)
     assert seen["has_drafter"] and seen["max_draft"] == 2
     # An export holds exactly the methods the decoder calls: none missing, none extra.
-    assert seen["methods"] == seen["required_methods"]
+    assert seen["methods"] == seen["called_methods"]
+    assert set(seen["required_methods"]) <= set(seen["methods"])
     depths = {r["depth"] for r in seen["rounds"]}
     assert depths == {0, 1, 2} and not any("error" in r for r in seen["rounds"])
