@@ -56,9 +56,11 @@ What the fields mean (the simulator relies on these definitions):
     for bundles that count their nodes by kind (ExecuTorch's XNNPACK graphs). Absent:
     `dispatch_us` for every launch.
   - `resident_mb`, `resident_bandwidth_gbs`, `resident_verify_bandwidth_gbs` (optional): a
-    call whose weights and K/V take at most `resident_mb` stays in the last-level cache from
-    one call to the next, and its 4-bit weights stream at the resident rates (one row; a
-    verify's few rows) instead of `memory_bandwidth_gbs` / `verify_bandwidth_gbs`.
+    call whose weights and K/V take less than `resident_mb` stays partly in the last-level
+    cache from one call to the next: its 4-bit weights stream at the resident rates (one row;
+    a verify's few rows) when they are as small as the rates' probe, and nearer
+    `memory_bandwidth_gbs` / `verify_bandwidth_gbs` the closer they come to `resident_mb`
+    (`simulator.cache_rate`).
   - `[delegates.X.backends.Y]` (optional): `memory_bandwidth_gbs`, `dispatch_us`, `call_us`,
     `host_*`, the attention numbers and `peak_tops` as the kernels of backend Y (executorch,
     onnx, coreml) run on this unit, where they were measured apart; a bundle of backend Y is

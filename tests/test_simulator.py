@@ -5,6 +5,7 @@ acceptance counted from a trace by hand, and the adaptive runtime's own choice o
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -13,9 +14,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgemtp.cli import main
-from edgemtp.devices.calibrate import ATTENTION_SHAPES, fit_attention
+from edgemtp.devices.calibrate import (
+    ATTENTION_SHAPES,
+    RESIDENT_LINEARS,
+    fit_attention,
+    resident_size,
+)
 from edgemtp.devices.profiles import DelegateProfile, load_profile
 from edgemtp.devices.simulator import (
+    RESIDENT_PROBE_MB,
     call_seconds,
     call_terms,
     mean_acceptance,
@@ -163,12 +170,24 @@ def test_nodes_that_are_not_matmuls_and_weights_that_stay_in_the_cache():
     terms = call_terms(memory_bound, light, "int8", 100, nodes=70)
     assert terms.dispatch_s == pytest.approx(74e-6)
     assert call_terms(memory_bound, unit, "int8", 100, nodes=70).dispatch_s == pytest.approx(200e-6)
-    # 100 MB fit a 128 MiB resident budget: weights stream at 40 GB/s (one row), 20 (four)
+    # 4 MiB, no more than the resident rates' probe (calibrate's, 4.5 MiB): they stream at
+    # those rates, 40 GB/s on one row, 20 on four
     cached = replace(unit, verify_bandwidth_gbs=5.0, resident_mb=128.0, resident_bandwidth_gbs=40.0,
                      resident_verify_bandwidth_gbs=20.0)  # fmt: skip
-    assert call_terms(memory_bound, cached, "int8", 0).memory_s == pytest.approx(1e8 / 40e9)
+    small, few_rows = Work(weight_bytes=4 * 2**20, rows=1), Work(weight_bytes=4 * 2**20, rows=4)
+    assert call_terms(small, cached, "int8", 0).memory_s == pytest.approx(4 * 2**20 / 40e9)
+    assert call_terms(few_rows, cached, "int8", 0).memory_s == pytest.approx(4 * 2**20 / 20e9)
+    assert RESIDENT_LINEARS * 1024**2 * (0.5 + 2 / 32) / 2**20 == RESIDENT_PROBE_MB
+    assert resident_size(130.0) == 1024
+    # 100 MB (95.4 MiB) of a 128 MiB budget: the time per byte 91 % of the way, in log size,
+    # from the resident rate to the memory rate
+    far = math.log(1e8 / 2**20 / 4.5) / math.log(128 / 4.5)
+    assert far == pytest.approx(0.912, abs=1e-3)
+    seconds = call_terms(memory_bound, cached, "int8", 0).memory_s
+    assert seconds == pytest.approx(1e8 * ((1 - far) / 40e9 + far / 10e9))
     four_rows = Work(flops=4e9, weight_bytes=1e8, rows=4)
-    assert call_terms(four_rows, cached, "int8", 0).memory_s == pytest.approx(1e8 / 20e9)
+    seconds = call_terms(four_rows, cached, "int8", 0).memory_s
+    assert seconds == pytest.approx(1e8 * ((1 - far) / 20e9 + far / 5e9))
     # one byte more than the budget: streamed from memory (10 GB/s; 5 GB/s on four rows)
     over = Work(flops=1e9, weight_bytes=128 * 2**20 + 1, rows=1)
     assert call_terms(over, cached, "int8", 0).memory_s == pytest.approx(over.weight_bytes / 10e9)
