@@ -76,6 +76,12 @@ class TextConfig:
         return self.num_layers - self.num_kv_shared_layers
 
     @property
+    def last_owning_layer(self) -> int:
+        """The last layer that writes a cache: in a pruned prefill, the one whose K/V every row
+        needs but whose output only the rows the KV-shared layers see."""
+        return min(self.first_shared_layer, self.num_layers) - 1
+
+    @property
     def store_layers(self) -> dict[str, int]:
         """Attention kind -> the layer whose cache the KV-shared layers of that kind read."""
         return {spec.attention: spec.index for spec in self.layers if spec.kv_role == "store"}

@@ -26,8 +26,7 @@ def layer_flops(
     the call's own rows)."""
     h, heads, hd = cfg.hidden_size, cfg.num_heads, spec.head_dim
     per_row = 2 * h * heads * hd * 2  # q_proj, o_proj
-    if spec.owns_kv:
-        per_row += 2 * h * spec.num_kv_heads * hd * (1 if spec.k_eq_v else 2)
+    per_row += 2 * kv_projection_weights(cfg, spec)
     per_row += 2 * 3 * h * spec.intermediate_size
     if cfg.hidden_size_per_layer_input:
         per_row += 2 * 2 * h * cfg.hidden_size_per_layer_input
@@ -106,12 +105,18 @@ class Work:
         return self.weight_bytes + self.cache_bytes
 
 
+def kv_projection_weights(cfg: TextConfig, spec: LayerSpec) -> int:
+    """Weights of a layer's k_proj and v_proj (none where it reuses another layer's cache)."""
+    if not spec.owns_kv:
+        return 0
+    return cfg.hidden_size * spec.num_kv_heads * spec.head_dim * (1 if spec.k_eq_v else 2)
+
+
 def layer_weights(cfg: TextConfig, spec: LayerSpec) -> int:
     """Linear weights of one decoder layer (attention, MLP, per-layer input gate)."""
     h, hd = cfg.hidden_size, spec.head_dim
     n = 2 * h * cfg.num_heads * hd  # q_proj, o_proj
-    if spec.owns_kv:
-        n += h * spec.num_kv_heads * hd * (1 if spec.k_eq_v else 2)
+    n += kv_projection_weights(cfg, spec)
     n += 3 * h * spec.intermediate_size
     if cfg.hidden_size_per_layer_input:
         n += 2 * h * cfg.hidden_size_per_layer_input
@@ -150,23 +155,34 @@ def forward_work(
     cache_itemsize: int = 4,
 ) -> Work:
     """One target call over rows at `positions`: the owning layers for every row, the KV-shared
-    layers for the last `shared_rows` rows (0: pruned prefill), the LM head for `logits_rows`
-    rows. Each weight is read once per call; the K/V as `kv_read_bytes` says (`cache_keys`:
-    what a static program's method reads per attention kind, `static_cache_keys`; None: only
-    what each row attends to). A KV-shared layer's rows also attend to all the call's rows."""
+    layers for the last `shared_rows` rows (fewer than all: a pruned prefill, whose last owning
+    layer also computes only K/V for the other rows, as `Gemma4Target.forward` does), the LM
+    head for `logits_rows` rows. Each weight is read once per call; the K/V as
+    `kv_read_bytes` says (`cache_keys`: what a static program's method reads per attention
+    kind, `static_cache_keys`; None: only what each row attends to). A KV-shared layer's rows
+    also attend to all the call's rows."""
     work = Work(rows=len(positions))
+    pruned = shared_rows < len(positions)
     for spec in cfg.layers:
         shared = spec.index >= cfg.first_shared_layer
+        if pruned and spec.index == cfg.last_owning_layer:
+            kv = kv_projection_weights(cfg, spec)  # for every row; the rest as a shared layer's
+            work += Work(2 * kv * len(positions), kv * bits / 8)
+            shared = True
         rows = positions[len(positions) - shared_rows :] if shared else positions
         if not rows:
             continue
         n = None if cache_keys is None else cache_keys[spec.attention]
         keys = None if n is None else n + len(positions)
         cache = kv_read_bytes(cfg, spec, rows, n, cache_itemsize)
-        weights = layer_weights(cfg, spec) * bits / 8
+        weights = layer_weights(cfg, spec)
+        flops = layer_flops(cfg, spec, rows, keys)
+        if pruned and spec.index == cfg.last_owning_layer:
+            weights -= kv_projection_weights(cfg, spec)
+            flops -= 2 * kv_projection_weights(cfg, spec) * len(rows)
         attention = attention_flops(cfg, spec, rows, keys)
         scores = attention_scores(cfg, spec, rows, keys)
-        work += Work(layer_flops(cfg, spec, rows, keys), weights, cache, 0, attention, scores)
+        work += Work(flops, weights * bits / 8, cache, 0, attention, scores)
     if cfg.hidden_size_per_layer_input:  # the per-layer input projection (model level)
         n = cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
         work += Work(2 * n * len(positions), n * bits / 8)

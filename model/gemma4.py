@@ -165,14 +165,19 @@ class DecoderLayer(nn.Module):
         past: tuple[Tensor, Tensor],
         mask: Tensor,
         ple: Tensor | None,
+        last_only: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
-        """Returns (h, the K/V attended to, this layer's new K/V or None if it reuses a cache)."""
+        """Returns (h, the K/V attended to, this layer's new K/V or None if it reuses a cache).
+        `last_only`: K/V from every row, the rest (and h returned) for the last row only."""
         x = self.input_layernorm(h)
         k, v = past
         new_kv = None
         if self.spec.owns_kv:
             new_kv = self.self_attn.project_kv(x, cos, sin)
             k, v = self.self_attn.extend(k, new_kv[0]), self.self_attn.extend(v, new_kv[1])
+        if last_only:
+            h, x, cos, sin, mask = h[-1:], x[-1:], cos[-1:], sin[-1:], mask[-1:]
+            ple = ple[-1:] if ple is not None else None
         h = h + self.post_attention_layernorm(self.self_attn(x, cos, sin, k, v, mask))
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.has_ple:
@@ -284,9 +289,11 @@ class Gemma4Target(nn.Module):
     ) -> tuple[Tensor | None, dict[int, tuple[Tensor, Tensor]]]:
         """Run T new tokens at `positions` on top of `cache`.
 
-        rows="all": every layer on every row (verify, unpruned prefill); "last": KV-shared layers
-        see only the last row (final prefill chunk); "none": KV-shared layers are skipped
-        (intermediate prefill chunk; they write no cache, so nothing is lost).
+        rows="all": every layer on every row (verify, unpruned prefill); "last": the layers after
+        the last one that owns a cache see only the last row, and that one computes K/V for
+        every row and the rest for the last (final prefill chunk: only the last row's logits
+        are wanted); "none": that layer computes only K/V and the KV-shared layers are skipped
+        (intermediate prefill chunk: they write no cache, so nothing is lost).
         Returns (final-normed hidden states of the kept rows or None, new K/V per owning layer).
         """
         cfg = self.cfg
@@ -298,27 +305,27 @@ class Gemma4Target(nn.Module):
         ropes = {k: self.rope(k, positions) for k in kinds}
         shared: dict[int, tuple[Tensor, Tensor]] = {}
         new_kv: dict[int, tuple[Tensor, Tensor]] = {}
+        last_owner = cfg.last_owning_layer
         for i, layer in enumerate(self.layers):
-            if i == cfg.first_shared_layer:
-                if rows == "none":
-                    return None, new_kv
-                if rows == "last":
-                    h = h[-1:]
-                    ple = ple[-1:] if ple is not None else None
-                    masks = {k: m[-1:] for k, m in masks.items()}
-                    ropes = {k: (c[-1:], s[-1:]) for k, (c, s) in ropes.items()}
             spec = layer.spec
             past = shared[spec.kv_source] if not spec.owns_kv else cache.kv(i)
             cos, sin = ropes[spec.attention]
+            if rows == "none" and i == last_owner:  # no later layer reads its output
+                new_kv[i] = layer.self_attn.project_kv(layer.input_layernorm(h), cos, sin)
+                return None, new_kv
+            pruning = rows == "last" and i == last_owner
             h, attended, fresh = layer(
-                h, cos, sin, past, masks[spec.attention], ple[:, i] if ple is not None else None
-            )
+                h, cos, sin, past, masks[spec.attention], ple[:, i] if ple is not None else None,
+                last_only=pruning,
+            )  # fmt: skip
             if fresh is not None:
                 new_kv[i] = fresh
             if spec.kv_role == "store":
                 shared[i] = attended
-        if rows == "last" and cfg.first_shared_layer >= cfg.num_layers:
-            h = h[-1:]
+            if pruning:
+                ple = ple[-1:] if ple is not None else None
+                masks = {k: m[-1:] for k, m in masks.items()}
+                ropes = {k: (c[-1:], s[-1:]) for k, (c, s) in ropes.items()}
         return self.norm(h), new_kv
 
     def logits(self, hidden: Tensor) -> Tensor:

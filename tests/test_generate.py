@@ -140,17 +140,22 @@ def test_pruned_prefill_same_logits_and_caches(pair, chunk):
 def test_pruned_prefill_skips_shared_layers(pair):
     _, target, _ = pair
     rows: dict[int, list[int]] = {}
+    last = target.cfg.last_owning_layer
+    modules = [*target.model.layers, target.model.layers[last].self_attn.k_proj]
     handles = [
-        layer.register_forward_pre_hook(
+        module.register_forward_pre_hook(
             lambda _m, args, i=i: rows.setdefault(i, []).append(args[0].shape[0])
         )
-        for i, layer in enumerate(target.model.layers)
+        for i, module in enumerate(modules)
     ]
     try:
         prefill(target, KVCache(target.cfg, 64), torch.arange(20), chunk=8, prune=True)
     finally:
         for handle in handles:
             handle.remove()
-    first = target.cfg.first_shared_layer
-    assert all(rows[i] == [8, 8, 4] for i in range(first))
-    assert all(rows[i] == [1] for i in range(first, target.cfg.num_layers))
+    first, n = target.cfg.first_shared_layer, target.cfg.num_layers
+    assert all(rows[i] == [8, 8, 4] for i in range(last))
+    # the last owning layer: its K/V for every chunk's rows, the layer itself only in the last
+    # chunk (no later layer reads its output before), which returns that chunk's last row
+    assert rows[n] == [8, 8, 4] and rows[last] == [4]
+    assert all(rows[i] == [1] for i in range(first, n))
