@@ -29,13 +29,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from runtime_backends import machine
 
 RESULTS = Path(__file__).parent / "results"
 EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
@@ -169,22 +170,14 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def machine() -> str:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor(),
-    )  # fmt: skip
-    return f"{cpu}, {os.cpu_count()} logical CPUs, Linux {platform.release()}"
-
-
 def report(doc: dict[str, Any]) -> str:
     s, b = doc["summary"], doc["bytes_per_token"]
     gib = 2**30
     lines = [
         "# Full-size E2B Q4_0 AR decode against the memory-bandwidth roofline",
         "",
-        f"`{doc['command']}` ({doc['date']}; {doc['machine']}; {doc['threads']} threads, "
+        f"`{doc['command']}` ({doc['date']}; {doc['machine']['cpu']}, "
+        f"{doc['machine']['cores']} cores; {doc['threads']} threads, "
         f"prompt {doc['prompt']}, {doc['tokens']} tokens AR, {len(doc['runs'])} repeats)",
         "",
         f"Bytes per token (the simulator's count for this bundle at position "
@@ -260,7 +253,7 @@ def main() -> None:
     doc = {
         "command": "python benchmarks/roofline_e2b.py " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(),
+        "machine": machine(args.threads),
         "threads": args.threads,
         "prompt": args.prompt,
         "tokens": args.tokens,
