@@ -247,6 +247,46 @@ def test_acceptance_oracle_controls_acceptance_and_keeps_ar_tokens(bundle, rate,
     )  # the real drafter ran for every draft
 
 
+class VerifySplitsFromAR:
+    """Wraps a backend: in a run that drafts, verify's greedy choice after each row becomes a
+    function of that row's token and position alone, as in a program whose verify rows break
+    near-ties unlike its one-row AR step. The MTP continuation then differs from AR's but
+    depends on nothing else (not on which drafts were accepted)."""
+
+    def __init__(self, inner):
+        self.inner, self.drafting = inner, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def truncate(self, length: int) -> bool:
+        self.drafting = self.drafting and length > 0
+        return self.inner.truncate(length)
+
+    def draft_step(self, token, hidden, position):
+        self.drafting = True
+        return self.inner.draft_step(token, hidden, position)
+
+    def verify(self, ids, position):
+        logits, hidden = self.inner.verify(ids, position)
+        if self.drafting:
+            logits = logits.clone()
+            for row, token in enumerate(ids):
+                logits[row, (31 * token + position + row) % self.inner.vocab_size] += 1e3
+        return logits, hidden
+
+
+def test_acceptance_oracle_replays_verify_tokens_where_they_split_from_ar(bundle):
+    session = Session.from_bundle(bundle, verify=False)
+    session.backend = VerifySplitsFromAR(session.backend)
+    plan = BenchPlan(pp=(), tg=(TG,), depths=(0, 2), repeat=1, acceptance_oracle=1.0)
+    ar, mtp = [r for r in run_bench(session, plan, [], lambda _: None) if not r["warmup"]]
+    assert mtp["tokens"] != ar["tokens"] and mtp["valid"] is False
+    drafted = sum(k for k, _ in mtp["rounds"])
+    assert drafted > 0 and sum(n for _, n in mtp["rounds"]) == drafted
+    assert mtp["oracle_passes"] == 2  # the AR replay split; its own tokens then held
+
+
 def test_collect_merges_a_device_result_and_refuses_bad_files(report, tmp_path, capsys):
     _, doc = report
     phone = json.loads(json.dumps(doc))
