@@ -173,7 +173,12 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", required=True, choices=["executorch", "coreml", "onnx"])
     p.add_argument("--delegate", default="cpu", choices=["cpu", "metal", "npu", "htp"])
     p.add_argument("--max-context", type=int, default=4096, help="tokens the cache holds")
-    p.add_argument("--draft-depth", type=int, default=3, help="most drafts verified at once")
+    p.add_argument(
+        "--draft-depth",
+        type=int,
+        help="most drafts verified at once (default 3 with --drafter; 0 without: an AR-only "
+        "bundle has no verify rounds to build)",
+    )
     p.add_argument(
         "--prefill-chunk", type=int, help="rows per prefill call (default 128, at most the ring)"
     )
@@ -948,6 +953,8 @@ def run_export(args: argparse.Namespace) -> int:
     from edgemtp.runtime.probes import peak_rss_mb
 
     _check_positive("--max-context", args.max_context, 2)
+    if args.draft_depth is None:
+        args.draft_depth = 3 if args.drafter else 0
     _check_positive("--draft-depth", args.draft_depth, 0)
     _check_positive("--prefill-chunk", args.prefill_chunk)
     torch.set_num_threads(min(torch.get_num_threads(), 4))

@@ -203,6 +203,16 @@ def test_chunk_larger_than_the_sliding_ring(tiny, tmp_path, capsys):
     assert "exceeds the smallest cache (19 slots" in line
 
 
+def test_target_only_bundle_builds_no_verify_rounds(tiny, tmp_path):
+    out = tmp_path / "ar"
+    argv = ["export", "--model", str(tiny["target"]), "--backend", "onnx", "--max-context", "64"]
+    assert main([*argv, "--out", str(out)]) == 0
+    manifest = read_manifest(out)
+    assert manifest["shapes"]["max_draft"] == 0
+    assert sorted(manifest["methods"]) == ["prefill_final", "prefill_intermediate", "verify_0"]
+    assert manifest["cache"]["kinds"]["sliding"]["slots"] == 17  # window 16 + 1: no draft rows
+
+
 def test_manifest_from_another_schema(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": 99}))
     with pytest.raises(EdgeMTPError, match="schema version 99"):
