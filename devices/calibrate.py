@@ -1,7 +1,8 @@
 """`edgemtp devices calibrate`: measure this machine and write its device profile.
 
 What is measured (each a median of several runs, with the threads the runtime would use):
-- sustained memory bandwidth: one row through an XNNPACK int4 linear of 32 MiB, as a decode step
+- sustained memory bandwidth: one row through XNNPACK int4 linears of 288 MiB in all (past the
+  caches: one linear of 32 MiB is not, where the last level holds hundreds), as a decode step
   streams its weights (the runtime's own kernel: a plain array sum reads slower than XNNPACK's
   GEMV); the best run is kept as the profile's peak, the bus's theoretical peak is unknown here;
 - peak matmul throughput per dtype: the runtime's GEMMs — XNNPACK 8da4w (int8 x int4) and fp32
@@ -95,18 +96,40 @@ def _int4_linear(n_in: int, n_out: int) -> torch.nn.Module:
     return Int4Linear(codes, scales, torch.zeros_like(scales, dtype=torch.int8), 32)
 
 
+RESIDENT_LINEARS = 8  # small linears, as a small model's layers hold
+STREAM_LINEARS = 8  # linears of 8192 x 8192 in the streaming probe: 288 MiB of weights
+
+
+class Int4Chain(torch.nn.Module):
+    """`count` int4 linears of n x n, one after another, each with its own weights."""
+
+    def __init__(self, n: int, count: int = RESIDENT_LINEARS):
+        super().__init__()
+        self.linears = torch.nn.ModuleList(_int4_linear(n, n) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for linear in self.linears:
+            x = linear(x)
+        return x
+
+
 def _call_seconds(program: Any, x: torch.Tensor, calls: int, repeat: int = 5) -> float:
     times = _median_seconds(lambda: [program.forward((x,)) for _ in range(calls)], repeat)
     return statistics.median(times) / calls
 
 
-def memory_bandwidth(n_in: int = 8192, n_out: int = 8192, rows: int = 1) -> tuple[float, float]:
-    """(median, best) GB/s the runtime's int4 linear streams weights at: `rows` rows (one: every
-    decode step; a few: a verify) through an XNNPACK 8da4w linear of n_in x n_out (default
-    32 MiB of codes + 4 MiB of bf16 scales, past the caches)."""
-    program = _xnnpack_program(_int4_linear(n_in, n_out), torch.randn(rows, n_in))
-    weight_bytes = n_in * n_out / 2 + n_out * n_in / 32 * 2
-    times = _median_seconds(lambda: program.forward((torch.randn(rows, n_in),)), 9)
+def memory_bandwidth(
+    n: int = 8192, rows: int = 1, linears: int = STREAM_LINEARS
+) -> tuple[float, float]:
+    """(median, best) GB/s the runtime's int4 linears stream weights at: `rows` rows (one: every
+    decode step; a few: a verify) through a chain of `linears` XNNPACK 8da4w linears of n x n
+    (default 8 x (32 MiB codes + 4 MiB bf16 scales): 288 MiB, past what one core streams from
+    its caches). One such linear alone is not past them on a host with a large last-level
+    cache: on one whose sysfs says 480 MiB, one core read 26 GB/s from 18 MiB, 16.5 from 72 MiB
+    and 14.5-15 from 142-576 MiB."""
+    program = _xnnpack_program(Int4Chain(n, linears), torch.randn(rows, n))
+    weight_bytes = linears * (n * n / 2 + n * n / 32 * 2)
+    times = _median_seconds(lambda: program.forward((torch.randn(rows, n),)), 9)
     return weight_bytes / statistics.median(times) / 1e9, weight_bytes / min(times) / 1e9
 
 
@@ -189,9 +212,6 @@ def resident_mb() -> float | None:
     return best[1] / 2 if best else None
 
 
-RESIDENT_LINEARS = 8  # small linears, as a small model's layers hold
-
-
 def resident_size(limit_mb: float, quick: bool = False) -> int:
     """Side of the square int4 linears of the resident probe: `RESIDENT_LINEARS` of them take
     at most a quarter of `limit_mb` (at most 1024 each: 4.5 MiB in all; 256 when `quick`), so
@@ -207,19 +227,6 @@ def _rate(weight_bytes: float, seconds: float, fixed_s: float) -> float:
     most of the time (the simulator adds those apart)."""
     streaming = seconds - fixed_s if seconds - fixed_s > 0.2 * seconds else seconds
     return weight_bytes / streaming / 1e9
-
-
-class Int4Chain(torch.nn.Module):
-    """`RESIDENT_LINEARS` int4 linears of n x n, one after another, each with its own weights."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.linears = torch.nn.ModuleList(_int4_linear(n, n) for _ in range(RESIDENT_LINEARS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for linear in self.linears:
-            x = linear(x)
-        return x
 
 
 def resident_bandwidth(n: int, rows: int, fixed_us: float, calls: int = 20) -> float:
@@ -544,11 +551,12 @@ def onnx_kernels(
 
     k = n = 1024 if quick else 8192
     bandwidth = {}
-    for rows in (1, VERIFY_PROBE_ROWS):
-        session, weight_bytes = _nbits_linear(k, n, rows, threads)
+    for rows in (1, VERIFY_PROBE_ROWS):  # past the caches, as memory_bandwidth's probe
+        session, weight_bytes = _nbits_linear(k, n, rows, threads, STREAM_LINEARS)
         x = np.random.default_rng(1).standard_normal((rows, k), dtype=np.float32)
-        times = _median_seconds(lambda s=session, x=x: s.run(None, {"x0": x}), 9)
-        bandwidth[rows] = weight_bytes / statistics.median(times) / 1e9
+        feed = {f"x{i}": x for i in range(STREAM_LINEARS)}
+        times = _median_seconds(lambda s=session, f=feed: s.run(None, f), 9)
+        bandwidth[rows] = STREAM_LINEARS * weight_bytes / statistics.median(times) / 1e9
     size, rows = (128, 8) if quick else (1024, 256)
     session, _ = _nbits_linear(size, size, rows, threads)
     x = np.random.default_rng(2).standard_normal((rows, size), dtype=np.float32)
@@ -769,10 +777,10 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
 
     torch.set_num_threads(threads)
     portable_lib._unsafe_reset_threadpool(threads)
-    say("memory bandwidth (one row through a 32 MiB int4 XNNPACK linear)")
-    size = (1024, 1024) if quick else (8192, 8192)
-    bw, best = memory_bandwidth(*size)
-    verify_bw, _ = memory_bandwidth(*size, rows=VERIFY_PROBE_ROWS)
+    say("memory bandwidth (one row through 288 MiB of int4 XNNPACK linears)")
+    size = 1024 if quick else 8192
+    bw, best = memory_bandwidth(size)
+    verify_bw, _ = memory_bandwidth(size, rows=VERIFY_PROBE_ROWS)
     tops = {}
     for dtype in ("int8", "fp16", "fp32"):
         say(f"{dtype} GEMM throughput")
@@ -840,8 +848,9 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         + _entry(
             bw,
             src,
-            "weight bytes / time of one row through an XNNPACK int4 (8da4w) "
-            "linear 8192 x 8192 (32 MiB codes + 4 MiB bf16 scales), median of 9",
+            "weight bytes / time of one row through a chain of "
+            f"{STREAM_LINEARS} XNNPACK int4 (8da4w) linears of 8192 x 8192 (each 32 MiB codes "
+            "+ 4 MiB bf16 scales), median of 9",
         ),
         "peak_memory_bandwidth_gbs = "
         + _entry(
@@ -905,7 +914,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     }
     for dtype, value in tops.items():
         lines.append(f"{dtype} = {_entry(value, src, notes[dtype])}")
-    gemv = "32 MiB" if not quick else "0.5 MiB"
+    gemv = f"{STREAM_LINEARS} x {'32 MiB' if not quick else '0.5 MiB'}"
     lines += [
         "",
         "[delegates.cpu.backends.onnx]",
