@@ -520,7 +520,8 @@ def stored_bits(
 
 def linear_weights(cfg: TextConfig, drafter: AssistantConfig | None) -> int:
     """Weights of every linear the programs hold: the target's layers, per-layer input
-    projection and LM head, the drafter's layers and projections."""
+    projection and LM head, the drafter's layers, projections, LM head and (clustered head)
+    centroids."""
     total = sum(layer_weights(cfg, spec) for spec in cfg.layers) + cfg.hidden_size * cfg.vocab_size
     if cfg.hidden_size_per_layer_input:
         total += cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
@@ -528,6 +529,9 @@ def linear_weights(cfg: TextConfig, drafter: AssistantConfig | None) -> int:
         text = drafter.text
         total += sum(layer_weights(text, spec) for spec in text.layers)
         total += 3 * drafter.backbone_hidden_size * text.hidden_size
+        total += text.hidden_size * text.vocab_size
+        if drafter.use_ordered_embeddings:
+            total += text.hidden_size * drafter.num_centroids
     return total
 
 

@@ -25,6 +25,7 @@ from edgemtp.devices.simulator import (
     RESIDENT_PROBE_MB,
     call_seconds,
     call_terms,
+    linear_weights,
     mean_acceptance,
     model_from_preset,
     simulate,
@@ -134,6 +135,9 @@ def test_weights_per_call_equal_the_model_parameters(pair):
     assert draft_work(a, cfg, 5, 8.0).weight_bytes == body + kept
     full = draft_work(a, cfg, 5, 8.0, full_head=True).weight_bytes
     assert full == body + a.text.vocab_size * a.text.hidden_size
+    # the denominator of a bundle's stored bits per weight: every linear of both programs
+    every = sum(m.weight.numel() for m in d.modules() if isinstance(m, torch.nn.Linear))
+    assert linear_weights(cfg, a) == linear + every
 
 
 def _unit(**changes) -> DelegateProfile:
