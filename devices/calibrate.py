@@ -191,6 +191,42 @@ def executorch_node_us(calls: int = 2000) -> float:
     return max((t201 - t1) / calls / 200 * 1e6, 0.0)
 
 
+class ElementwiseMix(torch.nn.Module):
+    """`length` XNNPACK nodes of what a decoder layer runs between its linears, in turn: a
+    scale, a residual add, the activation's tanh, a square (the norm's)."""
+
+    def __init__(self, length: int, width: int):
+        super().__init__()
+        self.length, self.weight = length, torch.nn.Parameter(torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.length):
+            kind = i % 4
+            if kind == 0:
+                x = x * self.weight
+            elif kind == 1:
+                x = x + self.weight
+            elif kind == 2:
+                x = torch.tanh(x)
+            else:
+                x = x * x
+        return x
+
+
+def executorch_ns_per_element(quick: bool = False) -> float:
+    """ns per element XNNPACK's nodes other than matmuls write: `ElementwiseMix` of 24 nodes on
+    64 rows of 1536 less on 8 rows, interleaved; dispatch cancels. A prefill chunk's norms,
+    activations, adds and copies write 128 rows each."""
+    width, many, few, length = (256, 16, 2, 8) if quick else (NODE_WIDTH, 64, 8, 24)
+    calls = []
+    for rows in (many, few):
+        x = torch.zeros(rows, width)
+        program = _xnnpack_program(ElementwiseMix(length, width), x)
+        calls.append(lambda p=program, x=x: p.forward((x,)))
+    t_many, t_few = _interleaved_medians(calls, 5 if quick else 50)
+    return max((t_many - t_few) / (length * (many - few) * width) * 1e9, 1e-3)
+
+
 def resident_mb() -> float | None:
     """Half the last-level cache, from sysfs (None where unreadable): what a model's weights
     and K/V may take and still be found in it at the next call (an estimate: the rest holds
@@ -788,6 +824,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     say("ExecuTorch dispatch (chains of 1 and 201 small XNNPACK linears, and multiplies)")
     per_op, per_call = executorch_dispatch_us(threads, 50 if quick else 2000)
     node_us = executorch_node_us(50 if quick else 2000)
+    node_ns = executorch_ns_per_element(quick)
     limit_mb = resident_mb()
     resident: dict[int, float] = {}
     side = resident_size(limit_mb, quick) if limit_mb is not None else 0
@@ -877,6 +914,14 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
             src,
             f"ExecuTorch, per XNNPACK node that is not a matmul: programs of 1 and 201 chained "
             f"multiplies on one row of {NODE_WIDTH}, (t201 - t1) / 200, median of 5 interleaved",
+        ),
+        "ns_per_element = "
+        + _entry(
+            node_ns,
+            src,
+            "ExecuTorch, XNNPACK nodes other than matmuls: a chain of 24 (multiply, add, tanh, "
+            f"square in turn) on 64 rows of {NODE_WIDTH} less on 8 rows, per element written, "
+            "median of 50 interleaved",
         ),
         *([_resident_mb_line(limit_mb, src)] if limit_mb is not None else []),
         *_resident_lines(resident, side, src, "XNNPACK 8da4w linears"),

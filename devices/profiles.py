@@ -46,8 +46,8 @@ What the fields mean (the simulator relies on these definitions):
     (ExecuTorch's portable kernels: the ops no delegate takes); a bundle records how many
     elements each method's such ops write. Absent: free.
   - `ns_per_element` (optional): time per element the unit's kernels other than matmuls write
-    (norms, activations, adds, copies), for bundles that record them per method (ONNX).
-    Absent: free.
+    (norms, activations, adds, copies), for bundles that record them per method (ONNX graph
+    nodes; ExecuTorch's delegated nodes). Absent: free.
   - `linear_us` (optional): fixed time of one linear kernel beyond streaming its weights and
     its launch (a kernel's per-call setup: quantizing the activation row, its workspace), for
     bundles that count their linear kernels per method (ONNX). Absent: free.

@@ -85,6 +85,7 @@ class Model:
     linears: dict[str, int] = field(default_factory=dict)  # method -> linear kernels, where counted
     nodes: dict[str, int] = field(default_factory=dict)  # method -> launches that are not matmuls
     prefill_buckets: bool = True  # prefill methods per context bucket too (older bundles: no)
+    moved: dict[str, int] = field(default_factory=dict)  # method -> portable elements copied
 
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
@@ -231,10 +232,12 @@ def call_terms(
     elementwise: int = 0,
     linears: int = 0,
     nodes: int = 0,
+    moved: int = 0,
 ) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
     streamed, or FLOPs in the compute dtype), the attention's (K/V streamed, or FLOPs in the
-    activation dtype) plus its scores' time, the `portable` elements fallback kernels write,
+    activation dtype) plus its scores' time, the `portable` elements fallback kernels write
+    in slot bookkeeping and the `moved` ones they copy,
     the `elementwise` elements its other non-matmul kernels write (where the bundle counts
     them), dispatch (of which `nodes` launches are not matmuls, at the profile's `node_us`),
     and the fixed cost of each of its `linears` kernels (where counted). Weights and K/V
@@ -265,6 +268,7 @@ def call_terms(
     dispatch = (dispatch + light * (unit.node_us or 0.0)) * 1e-6
     dispatch += linears * (unit.linear_us or 0.0) * 1e-6
     elements = portable * (unit.ns_per_portable_element or 0.0) * 1e-9
+    elements += moved * MOVED_BYTES / (unit.memory_bandwidth_gbs * 1e9)
     elements += elementwise * (unit.ns_per_element or 0.0) * 1e-9
     seconds = max(weights, linear) + max(kv, attention) + scores + elements + dispatch
     return Terms(seconds, weights + kv, linear + attention, dispatch, 0.0, work.bytes, work.flops,
@@ -303,14 +307,16 @@ def _launches(model: Model, method: str, layers: int) -> int:
     return model.launches.get(method) or OPS_PER_LAYER * layers
 
 
-def _kernel_counts(model: Model, method: str) -> tuple[int, int, int, int]:
-    """(portable, other non-matmul) elements one call of `method` writes, its linear kernels
-    and its launches that are not matmuls, as its bundle says."""
+def _kernel_counts(model: Model, method: str) -> tuple[int, int, int, int, int]:
+    """(portable bookkeeping, other non-matmul) elements one call of `method` writes, its linear
+    kernels, its launches that are not matmuls and the elements its portable kernels copy, as
+    its bundle says."""
     return (
         model.portable.get(method, 0),
         model.elementwise.get(method, 0),
         model.linears.get(method, 0),
         model.nodes.get(method, 0),
+        model.moved.get(method, 0),
     )
 
 
@@ -417,7 +423,8 @@ def simulate(
             f"K/V at {unit.attention_bandwidth_gbs} GB/s"
             if unit.attention_tops is not None
             else "at the activation dtype's peak and the memory bandwidth, scores free",
-            "elements": f"{unit.ns_per_portable_element} ns per portable-kernel element, "
+            "elements": f"{unit.ns_per_portable_element} ns per portable-kernel element of "
+            f"slot bookkeeping, {MOVED_BYTES} bytes per copied one at the memory bandwidth, "
             f"{unit.ns_per_element} ns per other non-matmul element (where the bundle counts them)",
             "host": f"{unit.host_call_us} us per call, {unit.host_ns_per_logit} ns per logit"
             if unit.host_call_us is not None
@@ -457,6 +464,7 @@ def model_from_bundle(bundle: Path) -> Model:
         raw = json.loads((bundle / manifest["drafter"]["config"]).read_text())
         drafter = drafter_config(raw, str(bundle))
     launches, nodes = method_operators(bundle, manifest)
+    bookkeeping, moved = portable_elements(manifest)
     scheme = manifest["quantization"]["scheme"]
     quant = scheme if scheme in BITS_PER_WEIGHT else "fp32" if scheme == "none" else "q4_0"
     shapes = manifest["shapes"]
@@ -475,19 +483,62 @@ def model_from_bundle(bundle: Path) -> Model:
         "over the vocabulary" in manifest["numerics"].get("drafter_head", ""),
         stored_bits(manifest, cfg, drafter),
         manifest["backend"],
-        {
-            name: int(d["portable_elements"])
-            for name, d in manifest["backend_details"].get("delegation", {}).items()
-            if isinstance(d, dict) and "portable_elements" in d
-        },
-        {k: int(v) for k, v in manifest["backend_details"].get("elementwise_elements", {}).items()},
+        bookkeeping,
+        elementwise_elements(manifest),
         {  # ONNX Runtime's 4-bit linear kernel (the one `linear_us` is measured on)
             name: counts.get("MatMulNBits", 0)
             for name, counts in manifest["backend_details"].get("ops", {}).items()
         },
         nodes,
         any(name.startswith("prefill_final_ctx") for name in manifest["methods"]),
+        moved,
     )
+
+
+def elementwise_elements(manifest: dict[str, Any]) -> dict[str, int]:
+    """Per method, the elements its kernels other than matmuls (and portable ones) write per
+    call: an ONNX bundle's graph nodes, an ExecuTorch bundle's delegated nodes."""
+    details = manifest["backend_details"]
+    if "elementwise_elements" in details:
+        return {k: int(v) for k, v in details["elementwise_elements"].items()}
+    return {
+        name: int(d["delegated_elements"])
+        for name, d in details.get("delegation", {}).items()
+        if isinstance(d, dict) and "delegated_elements" in d
+    }
+
+
+# Portable kernels that loop over their elements one by one, as the cache's slot bookkeeping
+# `devices calibrate` times (ns_per_portable_element, ~7 ns here); the others move data
+# (copies, gathers, concatenations, cache writes: MOVED_BYTES per element at the memory
+# bandwidth). E2B x0.25's draft step writes 575 k elements, mostly copies, in 0.18 ms of
+# portable kernels (ETDump), not the 4 ms the bookkeeping rate gives them.
+BOOKKEEPING_OPS = {"eq", "ne", "lt", "le", "gt", "ge", "where", "remainder", "add", "sub", "mul",
+                   "div", "min", "max", "arange", "cumsum"}  # fmt: skip
+MOVED_BYTES = 8  # an fp32 element read and written
+
+
+def portable_elements(manifest: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+    """Per method, the elements its portable kernels write per call: (bookkeeping, moved).
+    Bundles that did not record them per op count every element as bookkeeping."""
+    bookkeeping: dict[str, int] = {}
+    moved: dict[str, int] = {}
+    for name, d in manifest["backend_details"].get("delegation", {}).items():
+        if not isinstance(d, dict) or "portable_elements" not in d:
+            continue
+        by_op = d.get("portable_elements_by_op")
+        if by_op is None:
+            bookkeeping[name] = int(d["portable_elements"])
+            continue
+        kinds = {op: op.split(".")[-2] if "." in op else op for op in by_op}  # aten.lt.Tensor
+        counted = {
+            op
+            for op, kind in kinds.items()
+            if kind in BOOKKEEPING_OPS or kind.startswith(("bitwise_", "logical_"))
+        }
+        bookkeeping[name] = sum(int(n) for op, n in by_op.items() if op in counted)
+        moved[name] = sum(int(n) for op, n in by_op.items() if op not in counted)
+    return bookkeeping, moved
 
 
 GROUP = {"q4_0": 32, "w4a16": 128}  # weights per scale

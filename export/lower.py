@@ -398,8 +398,9 @@ _MATMUL_OPS = (".mm.", ".mv.", "matmul")
 def delegation_summary(
     edge: Any, exempt: tuple[str, ...] = (), backend: str = "XNNPACK"
 ) -> dict[str, Any]:
-    """Per method: delegated partitions and nodes, and the ops left to portable kernels (and the
-    elements they write per call, which the simulator prices).
+    """Per method: delegated partitions and nodes (and the elements their nodes other than
+    matmuls write), and the ops left to portable kernels (and the elements they write per call,
+    by op); the simulator prices both.
 
     Raises EdgeMTPError naming the op when a linear (fp32 or quantized) stayed outside the
     delegates, or a matrix product outside a module path containing one of `exempt`."""
@@ -410,15 +411,19 @@ def delegation_summary(
         gm = edge.exported_program(name).graph_module
         info = get_delegation_info(gm)
         portable: Counter = Counter()
-        elements = 0
+        elements: Counter = Counter()
+        delegated = 0
         for node in gm.graph.nodes:
-            if node.op != "call_function" or "executorch_call_delegate" in str(node.target):
+            if node.op == "call_function" and "executorch_call_delegate" in str(node.target):
+                delegated += _delegated_elements(getattr(gm, node.args[0].target))
+                continue
+            if node.op != "call_function":
                 continue
             op = str(getattr(node.target, "__name__", node.target))
             if op == "getitem":
                 continue
             portable[op] += 1
-            elements += _output_elements(node)
+            elements[op] += _output_elements(node)
             stack = " ".join(p for p, _ in (node.meta.get("nn_module_stack") or {}).values())
             linear = any(w in op for w in _LINEAR_OPS)
             matmul = any(w in f".{op}." for w in _MATMUL_OPS)
@@ -432,9 +437,23 @@ def delegation_summary(
             "delegated_nodes": info.num_delegated_nodes,
             "portable_nodes": info.num_non_delegated_nodes,
             "portable_ops": dict(sorted(portable.items())),
-            "portable_elements": elements,
+            "portable_elements": sum(elements.values()),
+            "portable_elements_by_op": dict(sorted(elements.items())),
+            "delegated_elements": delegated,
         }
     return summary
+
+
+def _delegated_elements(lowered: Any) -> int:
+    """Elements a delegate's nodes other than matmuls and linears (with their activation
+    quantization) write per call: norms, activations, adds, masks, softmax, reshapes, copies."""
+    skip = (*_LINEAR_OPS, *_MATMUL_OPS, "bmm", "dequantize", "getitem")
+    return sum(
+        _output_elements(node)
+        for node in lowered.original_module.graph.nodes
+        if node.op == "call_function"
+        and not any(s in f".{getattr(node.target, '__name__', node.target)}." for s in skip)
+    )
 
 
 def _output_elements(node: Any) -> int:

@@ -432,6 +432,23 @@ def test_runtime_operators_are_the_xnnpack_nodes_plus_portable_calls(linears):
     }
 
 
+def test_delegated_elements_count_what_other_nodes_than_linears_write():
+    class LinearThenActivation(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.linear(x) * 2 + 1).tanh()
+
+    x = torch.randn(4, 64)
+    edge = lower_programs(
+        {"m": export_method(LinearThenActivation(), (x,))}, lambda: [xnnpack_partitioner()]
+    )
+    nodes = delegation_summary(edge)["m"]
+    assert nodes["delegated_elements"] == 3 * 4 * 64  # mul, add, tanh; not the linear
+
+
 def test_a_cache_write_counts_the_rows_it_writes_not_the_cache():
     class WriteRows(torch.nn.Module):
         def __init__(self) -> None:
@@ -448,6 +465,10 @@ def test_a_cache_write_counts_the_rows_it_writes_not_the_cache():
     assert nodes["portable_ops"].get("aten.index_put.default") == 1
     # the 3 x 8 values written, and the 3 elements of slots + 1; not the 512 of the cache
     assert nodes["portable_elements"] == 3 * 8 + 3
+    assert nodes["portable_elements_by_op"] == {
+        "aten.index_put.default": 3 * 8,
+        "aten.add.Tensor": 3,
+    }
 
 
 @pytest.mark.parametrize("scheme", BUNDLE_SCHEMES)

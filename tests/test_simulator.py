@@ -28,6 +28,7 @@ from edgemtp.devices.simulator import (
     linear_weights,
     mean_acceptance,
     model_from_preset,
+    portable_elements,
     simulate,
     trace_acceptance,
 )
@@ -198,6 +199,25 @@ def test_nodes_that_are_not_matmuls_and_weights_that_stay_in_the_cache():
     assert call_terms(
         replace(four_rows, weight_bytes=over.weight_bytes), cached, "int8", 0
     ).memory_s == pytest.approx(over.weight_bytes / 5e9)
+
+
+def test_portable_kernels_loop_in_bookkeeping_or_move_bytes():
+    per_op = {
+        "aten.where.self": 10,
+        "aten.lt.Tensor": 20,
+        "aten.bitwise_and.Tensor": 3,
+        "aten.select_copy.int": 100,
+        "dim_order_ops._to_dim_order_copy.default": 1000,
+        "scalar_tensor.default": 1,
+    }
+    manifest = {"backend_details": {"delegation": {
+        "draft_step": {"portable_elements": 1134, "portable_elements_by_op": per_op},
+        "verify_0": {"portable_elements": 77},  # a bundle from before the split
+    }}}  # fmt: skip
+    assert portable_elements(manifest) == ({"draft_step": 33, "verify_0": 77}, {"draft_step": 1101})
+    unit = _unit(ns_per_portable_element=7.0)  # 10 GB/s
+    terms = call_terms(Work(rows=1), unit, "int8", 0, portable=33, moved=1101)
+    assert terms.elements_s == pytest.approx(33 * 7e-9 + 1101 * 8 / 10e9)
 
 
 def test_attention_is_priced_after_the_linears_with_its_own_rates():
