@@ -27,7 +27,7 @@ run is repeated replaying its own tokens (the continuation of verify's numerics)
 `ORACLE_PASSES` times in all; the record keeps the last pass and counts them (`oracle_passes`).
 Where a token's rounding also depends on which verify row it lands in, the last pass can still
 split, so reports give the acceptance a run had, beside the oracle's rate (E2B x0.25 Q4_0 on
-ExecuTorch, rate 0.7: 4 % with the AR replay alone, 44 % after three passes).
+ExecuTorch, rate 0.7, 32 tokens: 4 % with the AR replay alone, 44 % after three passes).
 
 The result (`result_document`) is the JSON the sample apps' benchmark mode writes too
 (`runtime/bench.schema.json`); `runtime.bench_report` turns one or several into tables and plots.
