@@ -35,7 +35,7 @@ from typing import Any
 
 from edgemtp.devices.profiles import DelegateProfile, DeviceProfile
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.static import bucketed
+from edgemtp.export.static import StaticShapes
 from edgemtp.model.config import AssistantConfig, TextConfig
 from edgemtp.model.cost import (
     BITS_PER_WEIGHT,
@@ -87,21 +87,22 @@ class Model:
     prefill_buckets: bool = True  # prefill methods per context bucket too (older bundles: no)
     moved: dict[str, int] = field(default_factory=dict)  # method -> portable elements copied
 
+    @property
+    def shapes(self) -> StaticShapes:
+        return StaticShapes(self.max_context, self.max_draft, self.chunk, self.buckets)
+
     def cache_keys(self, end: int | None = None) -> dict[str, int]:
         """Cache keys per attention kind a method reads for rows ending before `end` (None:
         a method that reads the whole cache)."""
         slots = cache_slots(self.target, self.max_context, self.max_draft)
-        bucket = next((b for b in self.buckets if end is not None and end <= b), None)
-        return static_cache_keys(slots, bucket)
+        return static_cache_keys(slots, None if end is None else self.shapes.bucket(end))
 
     def prefill(self, final: bool, end: int) -> tuple[str, dict[str, int]]:
         """The prefill method a chunk of rows ending before `end` runs, and the cache keys it
         reads per attention kind."""
-        name = "prefill_final" if final else "prefill_intermediate"
-        if not self.prefill_buckets:
-            return name, self.cache_keys()
-        bucket = next((b for b in self.buckets if end <= b), None)
-        return bucketed(name, bucket), self.cache_keys(end)
+        if self.prefill_buckets:
+            return self.shapes.prefill_method(final, end), self.cache_keys(end)
+        return ("prefill_final" if final else "prefill_intermediate"), self.cache_keys()
 
     def verify(self, depth: int) -> tuple[str, int]:
         """The verify method a round of `depth` drafts runs, and the rows it computes."""
