@@ -3,8 +3,8 @@
     python benchmarks/roofline_e2b.py --work /work/e2b [--threads 2] [--repeat 5]
         [--prompt 64] [--tokens 128] [--out benchmarks/results]
 
-Builds under --work, once (about 35 minutes and 19 GiB of memory here, most of it ExecuTorch's
-lowering):
+Builds under --work, once (8 to 35 minutes by host, and 19 GiB of memory, most of it
+ExecuTorch's lowering):
 
     edgemtp synth --preset e2b --out WORK/e2b
     edgemtp export --model WORK/e2b --quant q4_0 --backend executorch --delegate cpu \\
