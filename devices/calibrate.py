@@ -9,11 +9,12 @@ What is measured (each a median of several runs, with the threads the runtime wo
   linears on 256 rows; fp16 through torch (ExecuTorch's CPU programs have none);
 - dispatch cost per operator: ExecuTorch programs of one and of 201 chained XNNPACK linears of
   64 x 64 on one row, run in this process: (t201 - t1) / 200; and a program call's own cost;
-  the same with multiplies for the nodes that are not matmuls (a fifth to a quarter of that);
+  the same with multiplies for the nodes that are not matmuls (a fifth to a quarter of that),
+  and the time per element those write (a decoder layer's mix on 64 rows against 8);
 - weights that stay in the cache: half the last-level cache (sysfs) as what a model may take,
   and the rate eight small int4 linears (1024 x 1024) stream at when called over and over,
   their fixed costs taken out (XNNPACK and ONNX Runtime, one row and four);
-- the same linear on four rows (a verify's), where kernels may take another path;
+- the streaming linears on four rows (a verify's), where kernels may take another path;
 - ONNX Runtime apart (`[delegates.cpu.backends.onnx]`): its MatMulNBits as ONNX cpu bundles
   export it (int8 activations) on one, four and 256 rows, its cost per node (a decoder layer's
   mix of nodes between its linears) and per call, and a small MatMulNBits' fixed cost beyond
