@@ -531,15 +531,14 @@ def portable_elements(manifest: dict[str, Any]) -> tuple[dict[str, int], dict[st
         if by_op is None:
             bookkeeping[name] = int(d["portable_elements"])
             continue
-        kinds = {op: op.split(".")[-2] if "." in op else op for op in by_op}  # aten.lt.Tensor
-        counted = {
-            op
-            for op, kind in kinds.items()
-            if kind in BOOKKEEPING_OPS or kind.startswith(("bitwise_", "logical_"))
-        }
-        bookkeeping[name] = sum(int(n) for op, n in by_op.items() if op in counted)
-        moved[name] = sum(int(n) for op, n in by_op.items() if op not in counted)
+        bookkeeping[name] = sum(int(n) for op, n in by_op.items() if _bookkeeping(op))
+        moved[name] = sum(int(n) for op, n in by_op.items() if not _bookkeeping(op))
     return bookkeeping, moved
+
+
+def _bookkeeping(op: str) -> bool:
+    kind = op.split(".")[-2] if "." in op else op  # "aten.lt.Tensor" -> "lt"
+    return kind in BOOKKEEPING_OPS or kind.startswith(("bitwise_", "logical_"))
 
 
 GROUP = {"q4_0": 32, "w4a16": 128}  # weights per scale

@@ -253,10 +253,10 @@ def _run(
     # a warm-up (or a round whose AR run failed) has nothing to replay: every draft misses
     replay = ar_tokens or []
     passes = ORACLE_PASSES if oracle and replay else 1
+    seed = f"{plan.seed} {test} {depth} {round_}"
     for attempt in range(1, passes + 1):
         if oracle:
             record.update(acceptance_oracle=plan.acceptance_oracle, oracle_passes=attempt)
-            seed = f"{plan.seed} {test} {depth} {round_}"
             drafts = OracleDrafts(backend, replay, len(prompt), plan.acceptance_oracle, seed)
             session.backend = drafts  # type: ignore[assignment]
         session.reset()
