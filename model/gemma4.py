@@ -220,6 +220,10 @@ class Rows(Protocol):
     def __getitem__(self, ids: Tensor) -> Tensor: ...
 
 
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype).float())
+
+
 @dataclass
 class TokenTables:
     """Host-side embedding tables; only the rows looked up are ever read (they may be mmapped)."""
@@ -229,18 +233,22 @@ class TokenTables:
     num_layers: int
     ple_dim: int
 
+    def __post_init__(self) -> None:
+        # Scales rounded to each table's dtype, as the reference does; computed once because a
+        # decode step looks up one row and a fresh tensor costs as much as the lookup.
+        self._token_scale = _rounded(self.tokens.shape[1] ** 0.5, self.tokens.dtype)
+        if self.per_layer is not None:
+            self._ple_scale = _rounded(self.ple_dim**0.5, self.per_layer.dtype)
+
     def embed(self, ids: Tensor) -> Tensor:
-        """Scaled token embeddings [T, hidden] in fp32 (scale rounded to the table's dtype, as the
-        reference does)."""
-        scale = torch.tensor(self.tokens.shape[1] ** 0.5, dtype=self.tokens.dtype).float()
-        return self.tokens[ids].float() * scale
+        """Scaled token embeddings [T, hidden] in fp32."""
+        return self.tokens[ids].float() * self._token_scale
 
     def per_layer_inputs(self, ids: Tensor) -> Tensor | None:
         """Token-identity part of the per-layer embeddings, [T, layers, ple_dim] fp32."""
         if self.per_layer is None:
             return None
-        scale = torch.tensor(self.ple_dim**0.5, dtype=self.per_layer.dtype).float()
-        rows = self.per_layer[ids].float() * scale
+        rows = self.per_layer[ids].float() * self._ple_scale
         return rows.view(ids.shape[0], self.num_layers, self.ple_dim)
 
 
