@@ -212,7 +212,14 @@ def edgemtp_child(bundle: Path, threads: int) -> dict[str, Any]:
             "prefill_tok_s"
         ]
     session.reset()
-    out[f"tg{TG}"] = session.generate([2], TG + 1, mtp=0, stop_ids=()).metrics()["decode_tok_s"]
+    tg = session.generate([2], TG + 1, mtp=0, stop_ids=()).metrics()
+    out[f"tg{TG}"] = tg["decode_tok_s"]
+    # The Python host's share of the decode step, from the runtime's own phase meter in this
+    # very run: embedding lookups, sampling and the loop, against the whole step.
+    phases = tg["decode_seconds_by_phase"]
+    out["host_share"] = (phases["embed"] + phases["sampling"] + phases["host"]) / sum(
+        phases.values()
+    )
     for d in DEPTHS:
         session.reset()
         tok_s = session.generate(random_ids(d, vocab), DEPTH_TOKENS + 1, mtp=0, stop_ids=())
@@ -387,6 +394,14 @@ def report(result: dict) -> str:
             "Per repeat, then the median (range): edgemtp / llama.cpp "
             + _paired(result, "edgemtp", "llama.cpp", ["pp512", "pp2048", "tg128"]),
         ]
+    shares = [r["host_share"] for r in result["runs"].get("edgemtp", []) if "host_share" in r]
+    if shares:
+        lines.append(
+            f"\nedgemtp's Python host (embedding lookups, sampling, the loop) in tg{TG}: "
+            f"{100 * statistics.median(shares):.1f} % of the decode step "
+            f"({100 * min(shares):.1f}-{100 * max(shares):.1f} % per repeat; the runtime's phase "
+            "meter, same run)"
+        )
     if "executorch-example" in med and "edgemtp" in med:
         ratio = med["edgemtp"]["tg128"] / med["executorch-example"]["tg128"]
         lines.append(f"\nedgemtp / ExecuTorch's example: tg128 {ratio:.2f}x")
