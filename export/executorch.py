@@ -7,7 +7,8 @@ Delegates:
   points and rejects negative or zero scales, so a block whose scale is negative (Q4_0 has
   many: d = max / -8) or whose zero point is not 8 (asymmetric W4A16) is written exactly as
   codes' * |s| + offset, the offset being one constant per block; the program adds
-  offset * (sum of the block's activations) with a small fp32 linear pair. Linears of one
+  offset * (sum of the block's activations) with a small fp32 linear pair (block sums as a
+  1-output linear over the input's blocks, then the [out, G] offsets). Linears of one
   module that read the same input (Q/K/V, gate/up) run as one such linear. Other linears stay
   fp32. The assistant's clustered head gathers LM-head rows by token id (no linear can do
   that): from the int4 codes when there are some, dequantized exactly in fp32.
@@ -138,9 +139,10 @@ class Int4Linear(nn.Module):
         self.zeros = nn.Parameter(zeros.to(torch.int8), requires_grad=False)
         self.offset: nn.Parameter | None = None
         if offset is not None:
-            groups = torch.arange(self.in_features) // group
-            block_sum = (groups[None, :] == torch.arange(offset.shape[1])[:, None]).float()
-            self.block_sum = nn.Parameter(block_sum, requires_grad=False)  # [G, in] of 0/1
+            # Block sums as a 1-output linear over the input viewed as [..., G, group]: a dense
+            # [G, in] 0/1 matrix did the same with in²/32 fp32 weights, read at every call (an
+            # E2B down projection's 18.9 MB, more than its int4 codes).
+            self.block_ones = nn.Parameter(torch.ones(1, group), requires_grad=False)
             self.offset = nn.Parameter(offset.float(), requires_grad=False)
 
     @classmethod
@@ -182,7 +184,8 @@ class Int4Linear(nn.Module):
             w = w.view(self.out_features, self.in_features)
         y = F.linear(xq, w)
         if self.offset is not None:
-            y = y + F.linear(F.linear(x, self.block_sum), self.offset)
+            sums = F.linear(x.view(*x.shape[:-1], -1, self.group), self.block_ones)
+            y = y + F.linear(sums.view(*x.shape[:-1], -1), self.offset)
         return y
 
 
