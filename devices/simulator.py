@@ -86,6 +86,7 @@ class Model:
     nodes: dict[str, int] = field(default_factory=dict)  # method -> launches that are not matmuls
     prefill_buckets: bool = True  # prefill methods per context bucket too (older bundles: no)
     moved: dict[str, int] = field(default_factory=dict)  # method -> portable elements copied
+    float_flops: dict[str, int] = field(default_factory=dict)  # method -> FLOPs of fp32 linears
 
     @property
     def shapes(self) -> StaticShapes:
@@ -234,6 +235,7 @@ def call_terms(
     linears: int = 0,
     nodes: int = 0,
     moved: int = 0,
+    float_flops: int = 0,
 ) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
     streamed, or FLOPs in the compute dtype), the attention's (K/V streamed, or FLOPs in the
@@ -241,7 +243,9 @@ def call_terms(
     in slot bookkeeping and the `moved` ones they copy,
     the `elementwise` elements its other non-matmul kernels write (where the bundle counts
     them), dispatch (of which `nodes` launches are not matmuls, at the profile's `node_us`),
-    and the fixed cost of each of its `linears` kernels (where counted). Weights and K/V
+    and the fixed cost of each of its `linears` kernels (where counted). `float_flops`: the
+    FLOPs of linears the program runs in the activation dtype besides the model's own (an
+    ExecuTorch program's Q4_0 offset pairs and norm means), at that dtype's peak. Weights and K/V
     that fit the profile's `resident_mb` stream at a rate between its resident and memory
     rates, by their size (`cache_rate`)."""
     verify_rows = 2 <= work.rows <= VERIFY_ROWS
@@ -260,6 +264,7 @@ def call_terms(
     if attention_dtype not in unit.peak_tops:
         attention_dtype = max(unit.peak_tops, key=unit.peak_tops.__getitem__)
     linear = (work.flops - work.attention_flops) / (unit.peak_tops[dtype] * 1e12)
+    linear += float_flops / (unit.peak_tops[attention_dtype] * 1e12)
     attention_tops = unit.attention_tops or unit.peak_tops[attention_dtype]
     attention = work.attention_flops / (attention_tops * 1e12)
     scores = work.scores * (unit.ns_per_score or 0.0) * 1e-9
@@ -308,16 +313,17 @@ def _launches(model: Model, method: str, layers: int) -> int:
     return model.launches.get(method) or OPS_PER_LAYER * layers
 
 
-def _kernel_counts(model: Model, method: str) -> tuple[int, int, int, int, int]:
+def _kernel_counts(model: Model, method: str) -> tuple[int, int, int, int, int, int]:
     """(portable bookkeeping, other non-matmul) elements one call of `method` writes, its linear
-    kernels, its launches that are not matmuls and the elements its portable kernels copy, as
-    its bundle says."""
+    kernels, its launches that are not matmuls, the elements its portable kernels copy and the
+    FLOPs of its float linears, as its bundle says."""
     return (
         model.portable.get(method, 0),
         model.elementwise.get(method, 0),
         model.linears.get(method, 0),
         model.nodes.get(method, 0),
         model.moved.get(method, 0),
+        model.float_flops.get(method, 0),
     )
 
 
@@ -493,7 +499,17 @@ def model_from_bundle(bundle: Path) -> Model:
         nodes,
         any(name.startswith("prefill_final_ctx") for name in manifest["methods"]),
         moved,
+        float_linear_flops(manifest),
     )
+
+
+def float_linear_flops(manifest: dict[str, Any]) -> dict[str, int]:
+    """Per method, the FLOPs of the float linears an ExecuTorch bundle's delegates run."""
+    return {
+        name: int(d["float_linear_flops"])
+        for name, d in manifest["backend_details"].get("delegation", {}).items()
+        if isinstance(d, dict) and "float_linear_flops" in d
+    }
 
 
 def elementwise_elements(manifest: dict[str, Any]) -> dict[str, int]:

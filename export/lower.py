@@ -399,8 +399,8 @@ def delegation_summary(
     edge: Any, exempt: tuple[str, ...] = (), backend: str = "XNNPACK"
 ) -> dict[str, Any]:
     """Per method: delegated partitions and nodes (and the elements their nodes other than
-    matmuls write), and the ops left to portable kernels (and the elements they write per call,
-    by op); the simulator prices both.
+    matmuls write, and the FLOPs of their float linears), and the ops left to portable kernels
+    (and the elements they write per call, by op); the simulator prices them all.
 
     Raises EdgeMTPError naming the op when a linear (fp32 or quantized) stayed outside the
     delegates, or a matrix product outside a module path containing one of `exempt`."""
@@ -412,10 +412,12 @@ def delegation_summary(
         info = get_delegation_info(gm)
         portable: Counter = Counter()
         elements: Counter = Counter()
-        delegated = 0
+        delegated = float_flops = 0
         for node in gm.graph.nodes:
             if node.op == "call_function" and "executorch_call_delegate" in str(node.target):
-                delegated += _delegated_elements(getattr(gm, node.args[0].target))
+                lowered = getattr(gm, node.args[0].target)
+                delegated += _delegated_elements(lowered)
+                float_flops += _float_linear_flops(lowered)
                 continue
             if node.op != "call_function":
                 continue
@@ -440,6 +442,7 @@ def delegation_summary(
             "portable_elements": sum(elements.values()),
             "portable_elements_by_op": dict(sorted(elements.items())),
             "delegated_elements": delegated,
+            "float_linear_flops": float_flops,
         }
     return summary
 
@@ -454,6 +457,20 @@ def _delegated_elements(lowered: Any) -> int:
         if node.op == "call_function"
         and not any(s in f".{getattr(node.target, '__name__', node.target)}." for s in skip)
     )
+
+
+def _float_linear_flops(lowered: Any) -> int:
+    """FLOPs per call of a delegate's linears whose weight is a float constant, not a
+    dequantized int4 one: the Q4_0 offset pairs, the norms' means, linears kept in fp32."""
+    total = 0
+    for node in lowered.original_module.graph.nodes:
+        if node.op != "call_function" or "linear" not in str(node.target):
+            continue
+        weight = node.args[1]
+        if "dequantize" in str(getattr(weight, "target", "")):
+            continue
+        total += 2 * _output_elements(node) * int(node.args[0].meta["val"].shape[-1])
+    return total
 
 
 def _output_elements(node: Any) -> int:

@@ -447,6 +447,19 @@ def test_delegated_elements_count_what_other_nodes_than_linears_write():
     )
     nodes = delegation_summary(edge)["m"]
     assert nodes["delegated_elements"] == 3 * 4 * 64  # mul, add, tanh; not the linear
+    assert nodes["float_linear_flops"] == 2 * 4 * 64 * 64
+
+
+def test_float_linear_flops_count_the_offset_pair_not_the_int4_gemm(checkpoints):
+    target, _ = _load(checkpoints, "q4_0")
+    linear = Int4Linear.xnnpack(int4_of(target.model.layers[0].mlp.down_proj))
+    assert linear.offset is not None
+    rows, blocks = 3, linear.offset.shape[1]
+    x = torch.randn(rows, linear.in_features)
+    edge = lower_programs({"m": export_method(linear, (x,))}, lambda: [xnnpack_partitioner()])
+    # block sums: a 1-output linear over [rows, blocks, 32]; offsets: [out, blocks]
+    want = 2 * rows * blocks * 32 + 2 * rows * linear.out_features * blocks
+    assert delegation_summary(edge)["m"]["float_linear_flops"] == want
 
 
 def test_a_cache_write_counts_the_rows_it_writes_not_the_cache():

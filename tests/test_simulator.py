@@ -25,6 +25,7 @@ from edgemtp.devices.simulator import (
     RESIDENT_PROBE_MB,
     call_seconds,
     call_terms,
+    float_linear_flops,
     linear_weights,
     mean_acceptance,
     model_from_preset,
@@ -243,6 +244,18 @@ def test_attention_is_priced_after_the_linears_with_its_own_rates():
     # without them: K/V at the memory bandwidth (2 ms), attention FLOPs at fp32's 0.25 TFLOPS
     # (0.8 ms), scores free
     assert call_seconds(work, _unit(), "int8", 10) == pytest.approx(0.010 + 0.002 + 20e-6)
+
+
+def test_float_linears_of_a_bundle_are_priced_at_the_activation_peak():
+    # int4 linears: 2e9 FLOP at 1 int8 TOPS = 2 ms (weights: 1 MB at 10 GB/s, 0.1 ms); the
+    # program's fp32 linears (offset pairs, norm means): 5e8 FLOP at 0.25 fp32 TFLOPS = 2 ms
+    work = Work(flops=2e9, weight_bytes=1e6)
+    assert call_terms(work, _unit(), "int8", 0).compute_s == pytest.approx(0.002)
+    terms = call_terms(work, _unit(), "int8", 0, float_flops=5e8)
+    assert terms.compute_s == pytest.approx(0.004)
+    assert terms.seconds == pytest.approx(0.004)
+    manifest = {"backend_details": {"delegation": {"verify_0": {"float_linear_flops": 123}}}}
+    assert float_linear_flops(manifest) == {"verify_0": 123}
 
 
 def test_calibration_solves_the_attention_model_for_its_rates():
