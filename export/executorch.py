@@ -184,7 +184,7 @@ class Int4Linear(nn.Module):
             w = w.view(self.out_features, self.in_features)
         y = F.linear(xq, w)
         if self.offset is not None:
-            sums = F.linear(x.view(*x.shape[:-1], -1, self.group), self.block_ones)
+            sums = F.linear(x.reshape(*x.shape[:-1], -1, self.group), self.block_ones)
             y = y + F.linear(sums.view(*x.shape[:-1], -1), self.offset)
         return y
 
