@@ -46,7 +46,7 @@ from typing import Any
 BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))
 
-from runtime_backends import machine  # noqa: E402
+from runtime_backends import HOST_PHASES, machine  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 RESULTS = BENCHMARKS / "results"
@@ -217,9 +217,7 @@ def edgemtp_child(bundle: Path, threads: int) -> dict[str, Any]:
     # The Python host's share of the decode step, from the runtime's own phase meter in this
     # very run: embedding lookups, sampling and the loop, against the whole step.
     phases = tg["decode_seconds_by_phase"]
-    out["host_share"] = (phases["embed"] + phases["sampling"] + phases["host"]) / sum(
-        phases.values()
-    )
+    out["host_share"] = sum(phases[p] for p in HOST_PHASES) / sum(phases.values())
     for d in DEPTHS:
         session.reset()
         tok_s = session.generate(random_ids(d, vocab), DEPTH_TOKENS + 1, mtp=0, stop_ids=())
