@@ -259,7 +259,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=128, help="with --preset")
     p.add_argument("--device", required=True, help="a device profile name or .toml file")
     p.add_argument("--delegate", required=True, choices=("cpu", "gpu", "metal", "npu", "htp"))
-    p.add_argument("--mtp", default="0,1,2,3,4", help="draft depths to compare (0: AR)")
+    p.add_argument(
+        "--mtp",
+        help="draft depths to compare (0: AR; default: every depth a --bundle verifies, "
+        "0-4 for a --preset)",
+    )
     p.add_argument(
         "--acceptance",
         default="0.6:0.9",
@@ -531,7 +535,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from edgemtp.export.static import auto_context_buckets
 
     try:
-        depths = tuple(sorted({int(d) for d in args.mtp.split(",")}))
+        depths = tuple(sorted({int(d) for d in (args.mtp or "0").split(",")}))
     except ValueError:
         raise EdgeMTPError(f"--mtp {args.mtp!r}: give draft depths like 0,1,2,3") from None
     for flag, value in (("--prompt", args.prompt), ("--gen", args.gen)):
@@ -539,7 +543,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     device = load_profile(args.device)
     if args.bundle is not None:
         model = model_from_bundle(args.bundle)
+        if args.mtp is None and model.drafter is not None:
+            depths = tuple(range(max(model.verify_depths, default=4) + 1))
     else:
+        if args.mtp is None:
+            depths = (0, 1, 2, 3, 4)
         cpu = args.delegate == "cpu"
         buckets = auto_context_buckets(args.max_context) if cpu else ()
         model = model_from_preset(

@@ -201,6 +201,17 @@ def test_the_onnx_bundles_linear_kernels_are_priced_each(bundle, profile):
     assert added == pytest.approx(model.linears["verify_0"] * 10e-6)
 
 
+def test_simulate_on_a_bundle_compares_the_depths_it_verifies(bundle, profile, capsys):
+    """Without --mtp, `edgemtp simulate --bundle` compares AR and every depth the bundle
+    verifies (this one: 2), not a preset's 0-4 it cannot run."""
+    argv = ["simulate", "--bundle", str(bundle), "--device", str(profile), "--delegate", "cpu",
+            "--prompt", "32", "--gen", str(TG), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    assert list(json.loads(capsys.readouterr().out)["decode_tok_s"]) == ["0", "1", "2"]
+    assert main([*argv, "--mtp", "0,3"]) == 1
+    assert "verifies at most 2 drafts" in capsys.readouterr().err
+
+
 def test_auto_row_reports_the_depths_the_policy_chose(report):
     _, doc = report
     (row,) = [r for r in doc["summary"] if r["depth"] == "auto"]
