@@ -207,7 +207,8 @@ def compute_dtype(unit: DelegateProfile, delegate: str, quant: str) -> str:
 @dataclass(frozen=True)
 class Terms:
     """Where predicted time goes, over one or more calls: each call costs the roofline of its
-    linears and of its attention (each max(memory, compute)), its attention scores, the
+    linears (those on fewer rows than the call apart), of its attention (each max(memory,
+    compute)), its attention scores, the
     elements its other kernels write, dispatch and host, summed in `seconds`."""
 
     seconds: float = 0.0
@@ -238,9 +239,10 @@ def call_terms(
     float_flops: int = 0,
 ) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
-    streamed, or FLOPs in the compute dtype), the attention's (K/V streamed, or FLOPs in the
-    activation dtype) plus its scores' time, the `portable` elements fallback kernels write
-    in slot bookkeeping and the `moved` ones they copy,
+    streamed, or FLOPs in the compute dtype; those on fewer rows than the call, a pruned
+    prefill's KV-shared layers and head, by their own), the attention's (K/V streamed, or
+    FLOPs in the activation dtype) plus its scores' time, the `portable` elements fallback
+    kernels write in slot bookkeeping and the `moved` ones they copy,
     the `elementwise` elements its other non-matmul kernels write (where the bundle counts
     them), dispatch (of which `nodes` launches are not matmuls, at the profile's `node_us`),
     and the fixed cost of each of its `linears` kernels (where counted). `float_flops`: the
@@ -257,14 +259,17 @@ def call_terms(
     if unit.resident_mb and resident:
         working_mb = (work.weight_bytes + work.cache_bytes) / 2**20
         bandwidth = cache_rate(working_mb, unit.resident_mb, resident, bandwidth)
-    weights = work.weight_bytes / (bandwidth * 1e9)
+    weights = (work.weight_bytes - work.few_rows_bytes) / (bandwidth * 1e9)
+    few_rows = work.few_rows_bytes / (bandwidth * 1e9)
     kv_bandwidth = unit.attention_bandwidth_gbs or unit.memory_bandwidth_gbs
     kv = work.cache_bytes / (kv_bandwidth * 1e9)
     attention_dtype = ACTIVATION_DTYPE.get(unit.name, "fp16")
     if attention_dtype not in unit.peak_tops:
         attention_dtype = max(unit.peak_tops, key=unit.peak_tops.__getitem__)
-    linear = (work.flops - work.attention_flops) / (unit.peak_tops[dtype] * 1e12)
+    linear = work.flops - work.attention_flops - work.few_rows_flops
+    linear = linear / (unit.peak_tops[dtype] * 1e12)
     linear += float_flops / (unit.peak_tops[attention_dtype] * 1e12)
+    few_rows_linear = work.few_rows_flops / (unit.peak_tops[dtype] * 1e12)
     attention_tops = unit.attention_tops or unit.peak_tops[attention_dtype]
     attention = work.attention_flops / (attention_tops * 1e12)
     scores = work.scores * (unit.ns_per_score or 0.0) * 1e-9
@@ -276,9 +281,10 @@ def call_terms(
     elements = portable * (unit.ns_per_portable_element or 0.0) * 1e-9
     elements += moved * MOVED_BYTES / (unit.memory_bandwidth_gbs * 1e9)
     elements += elementwise * (unit.ns_per_element or 0.0) * 1e-9
-    seconds = max(weights, linear) + max(kv, attention) + scores + elements + dispatch
-    return Terms(seconds, weights + kv, linear + attention, dispatch, 0.0, work.bytes, work.flops,
-                 dispatches, scores, elements)  # fmt: skip
+    seconds = max(weights, linear) + max(few_rows, few_rows_linear) + max(kv, attention)
+    seconds += scores + elements + dispatch
+    return Terms(seconds, weights + few_rows + kv, linear + few_rows_linear + attention, dispatch,
+                 0.0, work.bytes, work.flops, dispatches, scores, elements)  # fmt: skip
 
 
 RESIDENT_PROBE_MB = 4.5  # what `devices calibrate` measures the resident rates on (8 int4

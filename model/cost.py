@@ -81,7 +81,10 @@ class Work:
     """What one call of a method moves and computes: weight bytes read (once per call, however
     many rows), K/V bytes read, matmul FLOPs (of which `attention_flops` multiply activations
     by activations, in the activation dtype), attention scores (`attention_scores`), and how
-    many rows it carries."""
+    many rows it carries. Of the weights and linear FLOPs, `few_rows_bytes` and
+    `few_rows_flops` are those of linears that run on fewer rows than the call carries (a
+    pruned prefill's KV-shared layers and head): their kernels stream weights while the others
+    compute, so a call prices the two apart."""
 
     flops: float = 0.0
     weight_bytes: float = 0.0
@@ -89,6 +92,8 @@ class Work:
     rows: int = 0
     attention_flops: float = 0.0
     scores: float = 0.0
+    few_rows_bytes: float = 0.0
+    few_rows_flops: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -98,6 +103,8 @@ class Work:
             max(self.rows, other.rows),
             self.attention_flops + other.attention_flops,
             self.scores + other.scores,
+            self.few_rows_bytes + other.few_rows_bytes,
+            self.few_rows_flops + other.few_rows_flops,
         )
 
     @property
@@ -183,12 +190,16 @@ def forward_work(
         attention = attention_flops(cfg, spec, rows, keys)
         scores = attention_scores(cfg, spec, rows, keys)
         work += Work(flops, weights * bits / 8, cache, 0, attention, scores)
+        if len(rows) < len(positions):
+            work += Work(few_rows_bytes=weights * bits / 8, few_rows_flops=flops - attention)
     if cfg.hidden_size_per_layer_input:  # the per-layer input projection (model level)
         n = cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
         work += Work(2 * n * len(positions), n * bits / 8)
     if logits_rows:
         head = cfg.hidden_size * cfg.vocab_size
         work += Work(2 * head * logits_rows, head * bits / 8)
+        if logits_rows < len(positions):
+            work += Work(few_rows_bytes=head * bits / 8, few_rows_flops=2 * head * logits_rows)
     return work
 
 

@@ -142,6 +142,30 @@ def test_weights_per_call_equal_the_model_parameters(pair):
     assert linear_weights(cfg, a) == linear + every
 
 
+def test_a_pruned_prefills_few_row_linears_are_its_shared_layers_and_head(pair):
+    """The final chunk of a pruned prefill runs the KV-shared layers (and the last owning
+    layer but for its K/V projections) and the head on its last row only: those weights, summed
+    from the loaded target's own modules, are its few-row part, and their FLOPs are one row's."""
+    target, _ = pair
+    cfg = target.cfg
+    work = forward_work(cfg, range(8), 1, 1, 8.0)
+    last = cfg.last_owning_layer
+    kv_names = ("k_proj", "v_proj")
+    few = sum(m.weight.numel() for name, m in target.model.named_modules()
+              if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"
+              and int(name.split("layers.")[1].split(".")[0]) >= last
+              and not (int(name.split("layers.")[1].split(".")[0]) == last
+                       and name.endswith(kv_names)))  # fmt: skip
+    head = cfg.vocab_size * cfg.hidden_size
+    assert work.few_rows_bytes == few + head
+    assert work.few_rows_flops == 2 * (few + head)  # one row through each
+    assert forward_work(cfg, range(8), 8, 8, 8.0).few_rows_bytes == 0  # a verify: all rows
+    # priced apart: the body compute-bound, the few-row part memory-bound, one after the other
+    unit = _unit()  # 10 GB/s, 1 int8 TOPS
+    call = Work(flops=4e10 + 1e6, weight_bytes=2e8, rows=8, few_rows_bytes=1e8, few_rows_flops=1e6)
+    assert call_seconds(call, unit, "int8", 0) == pytest.approx(0.040 + 0.010)
+
+
 def _unit(**changes) -> DelegateProfile:
     base = DelegateProfile(
         name="cpu",
