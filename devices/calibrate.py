@@ -6,7 +6,9 @@ What is measured (each a median of several runs, with the threads the runtime wo
   streams its weights (the runtime's own kernel: a plain array sum reads slower than XNNPACK's
   GEMV); the best run is kept as the profile's peak, the bus's theoretical peak is unknown here;
 - peak matmul throughput per dtype: the runtime's GEMMs — XNNPACK 8da4w (int8 x int4) and fp32
-  linears on 256 rows; fp16 through torch (ExecuTorch's CPU programs have none);
+  linears on 256 rows; fp16 through torch (ExecuTorch's CPU programs have none); the int8 one
+  on a wide and a narrow square linear, solved for its FLOP rate and a time per activation
+  element (a narrow linear's input quantization and output weigh more per FLOP);
 - dispatch cost per operator: ExecuTorch programs of one and of 201 chained XNNPACK linears of
   64 x 64 on one row, run in this process: (t201 - t1) / 200; and a program call's own cost;
   the same with multiplies for the nodes that are not matmuls (a fifth to a quarter of that),
@@ -16,9 +18,9 @@ What is measured (each a median of several runs, with the threads the runtime wo
   their fixed costs taken out (XNNPACK and ONNX Runtime, one row and four);
 - the streaming linears on four rows (a verify's), where kernels may take another path;
 - ONNX Runtime apart (`[delegates.cpu.backends.onnx]`): its MatMulNBits as ONNX cpu bundles
-  export it (int8 activations) on one, four and 256 rows, its cost per node (a decoder layer's
-  mix of nodes between its linears) and per call, and a small MatMulNBits' fixed cost beyond
-  its bytes and its launch;
+  export it (int8 activations) on one, four and 256 rows (two widths), its cost per node (a
+  decoder layer's mix of nodes between its linears) and per call, and a small MatMulNBits'
+  fixed cost beyond its bytes and its launch;
 - attention as the bundles compute it (XNNPACK and ONNX Runtime): its matmuls' FLOP rate, the
   time per attention score beyond them (mask, softmax, copies) and the rate K/V stream at;
 - ExecuTorch's portable kernels (what no delegate takes: the cache's slot bookkeeping, masks):
@@ -135,16 +137,51 @@ def memory_bandwidth(
 
 
 def matmul_tops(dtype: str, n: int = 1024, rows: int = 256) -> float:
-    """T(FL)OPS of the runtime's GEMM for `dtype`: "int8" is XNNPACK's 8da4w (int8 activations
-    x int4 weights, as the Q4_0 bundles compute), "fp32" an fp32 XNNPACK linear, "fp16" torch's
-    CPU fp16 GEMM (ExecuTorch's CPU programs have no fp16 path)."""
+    """T(FL)OPS of the runtime's GEMM for `dtype`: "fp32" an fp32 XNNPACK linear, "fp16"
+    torch's CPU fp16 GEMM (ExecuTorch's CPU programs have no fp16 path); int8: `int8_gemm`."""
     flops = 2 * rows * n * n
     if dtype == "fp16":
         a, b = torch.randn(rows, n, dtype=torch.float16), torch.randn(n, n, dtype=torch.float16)
         return flops / statistics.median(_median_seconds(lambda: a @ b, 3)) / 1e12
-    module = _int4_linear(n, n) if dtype == "int8" else torch.nn.Linear(n, n, bias=False)
     x = torch.randn(rows, n)
-    return flops / _call_seconds(_xnnpack_program(module, x), x, 3) / 1e12
+    return (
+        flops / _call_seconds(_xnnpack_program(torch.nn.Linear(n, n, bias=False), x), x, 3) / 1e12
+    )
+
+
+def int8_gemm(quick: bool = False) -> tuple[float, float]:
+    """`fit_gemm` of XNNPACK's 8da4w linear (int8 activations x int4 weights, as the Q4_0
+    bundles compute) on `GEMM_SHAPES`, timed interleaved."""
+    shapes = GEMM_QUICK if quick else GEMM_SHAPES
+    calls = []
+    for rows, side in shapes:
+        x = torch.randn(rows, side)
+        program = _xnnpack_program(_int4_linear(side, side), x)
+        calls.append(lambda p=program, x=x: [p.forward((x,)) for _ in range(3)])
+    seconds = _interleaved_medians(calls, 5 if quick else 15)
+    return fit_gemm(shapes, [t / 3 for t in seconds])
+
+
+# (rows, side) of the two square int8 GEMMs the linear model is solved from: a wide one and a
+# narrow one (E2B's hidden size is 1536, the embedded model's 256)
+GEMM_SHAPES = ((256, 1024), (256, 256))
+GEMM_QUICK = ((8, 128), (8, 32))
+
+
+def fit_gemm(shapes: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float]:
+    """(TOPS, ns per activation element) of a GEMM priced as `devices.simulator.call_terms`
+    does, 2 x rows x k x n FLOPs at the peak plus rows x (k + n) elements read and written,
+    solved from two square shapes' times. The narrow one's surplus beyond the wide one's
+    FLOP rate is its elements' time; none where it has none (the peak is then the wide one's
+    rate)."""
+    flops = [2 * rows * side * side for rows, side in shapes]
+    elements = [rows * 2 * side for rows, side in shapes]
+    det = flops[0] * elements[1] - flops[1] * elements[0]
+    per_flop = (seconds[0] * elements[1] - seconds[1] * elements[0]) / det
+    per_element = (flops[0] * seconds[1] - flops[1] * seconds[0]) / det
+    if per_element <= 0 or per_flop <= 0:
+        return flops[0] / seconds[0] / 1e12, 0.0
+    return 1 / per_flop / 1e12, per_element * 1e9
 
 
 def linear_chain(ops: int) -> torch.nn.Module:
@@ -594,11 +631,14 @@ def onnx_kernels(
         feed = {f"x{i}": x for i in range(STREAM_LINEARS)}
         times = _median_seconds(lambda s=session, f=feed: s.run(None, f), 9)
         bandwidth[rows] = STREAM_LINEARS * weight_bytes / statistics.median(times) / 1e9
-    size, rows = (128, 8) if quick else (1024, 256)
-    session, _ = _nbits_linear(size, size, rows, threads)
-    x = np.random.default_rng(2).standard_normal((rows, size), dtype=np.float32)
-    times = _median_seconds(lambda: session.run(None, {"x0": x}), 3)
-    tops = 2 * rows * size * size / statistics.median(times) / 1e12
+    shapes = GEMM_QUICK if quick else GEMM_SHAPES
+    gemms = []
+    for rows, side in shapes:
+        session, _ = _nbits_linear(side, side, rows, threads)
+        x = np.random.default_rng(2).standard_normal((rows, side), dtype=np.float32)
+        gemms.append(lambda s=session, x=x: [s.run(None, {"x0": x}) for _ in range(3)])
+    seconds = _interleaved_medians(gemms, 5 if quick else 15)
+    tops, ns_per_linear_element = fit_gemm(shapes, [t / 3 for t in seconds])
 
     calls = 20 if quick else 200
     chains = [_onnx_node_chain(repeats, 64, threads) for repeats in (1, 20)]
@@ -639,6 +679,7 @@ def onnx_kernels(
         "memory_bandwidth_gbs": bandwidth[1],
         "verify_bandwidth_gbs": bandwidth[VERIFY_PROBE_ROWS],
         "int8_tops": tops,
+        "ns_per_linear_element": ns_per_linear_element,
         "dispatch_us": max(per_node * 1e6, 0.01),
         "call_us": call_us,
         "linear_us": linear_us,
@@ -677,6 +718,24 @@ def measured_power(seconds: float = 3.0) -> tuple[float, float] | str:
         return watts(None), watts(lambda: a @ a)
     except RuntimeError as err:
         return f"{reader.name}: {err}"
+
+
+def _gemm_note(kernel: str, quick: bool, peak: bool = False) -> str:
+    (rows, wide), (_, narrow) = GEMM_QUICK if quick else GEMM_SHAPES
+    rounds = 5 if quick else 15
+    shapes = (
+        f"{wide} x {wide} and {narrow} x {narrow} on {rows} rows, medians of {rounds} interleaved"
+    )
+    if peak:
+        return f"the FLOP rate solved with ns_per_linear_element from {shapes}"
+    return (f"{kernel}: time per activation element (rows x (inputs + outputs)) beside the "
+            f"FLOPs at the int8 peak, solved with it from {shapes}")  # fmt: skip
+
+
+def _linear_element_line(ns: float, src: str, kernel: str, quick: bool) -> list[str]:
+    """The profile's `ns_per_linear_element` line; none (free) where the narrow linear was
+    no slower per FLOP than the wide one."""
+    return [f"ns_per_linear_element = {_entry(ns, src, _gemm_note(kernel, quick))}"] if ns else []
 
 
 def _entry(value: float, source: str, note: str) -> str:
@@ -818,8 +877,10 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     size = 1024 if quick else 8192
     bw, best = memory_bandwidth(size)
     verify_bw, _ = memory_bandwidth(size, rows=VERIFY_PROBE_ROWS)
+    say("int8 GEMM throughput (a wide and a narrow linear)")
     tops = {}
-    for dtype in ("int8", "fp16", "fp32"):
+    tops["int8"], linear_ns = int8_gemm(quick)
+    for dtype in ("fp16", "fp32"):
         say(f"{dtype} GEMM throughput")
         tops[dtype] = matmul_tops(dtype, *((128, 8) if quick else (1024, 256)))
     say("ExecuTorch dispatch (chains of 1 and 201 small XNNPACK linears, and multiplies)")
@@ -938,6 +999,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         + _entry(host_ns_per_logit, src, "numpy argmax over a 262144-logit row, best median"),
         "call_us = "
         + _entry(max(per_call - per_op, 0.0), src, "ExecuTorch program call less its one operator"),
+        *_linear_element_line(linear_ns, src, "XNNPACK 8da4w linears", quick),
         *_attention_lines(attention, src, "XNNPACK"),
         "ns_per_portable_element = "
         + _entry(
@@ -952,8 +1014,8 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         "[delegates.cpu.peak_tops]",
     ]
     notes = {
-        "int8": "XNNPACK 8da4w linear 1024 x 1024 on 256 rows (int8 x int4, as Q4_0 bundles "
-        "compute), median of 3 x 3 calls",
+        "int8": "XNNPACK 8da4w linears (int8 x int4, as Q4_0 bundles compute): "
+        + _gemm_note("", quick, peak=True),
         "fp16": "torch.mm in float16, 256 x 1024 x 1024, median of 3 (ExecuTorch's CPU "
         "programs have no fp16 path)",
         "fp32": "XNNPACK fp32 linear 1024 x 1024 on 256 rows, median of 3 x 3 calls",
@@ -987,6 +1049,8 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
                          (VERIFY_PROBE_ROWS, "resident_verify_bandwidth_gbs")) if k in ort},
                          side, src, "ONNX Runtime MatMulNBits nodes"),
         *_attention_lines(ort_attention, src, "ONNX Runtime"),
+        *_linear_element_line(ort["ns_per_linear_element"], src,
+                              "ONNX Runtime MatMulNBits (int8 activations)", quick),
         "ns_per_element = "
         + _entry(ort_elements, src, "ONNX Runtime's non-matmul nodes: a chain of 24 (Mul, Add, "
                  "SimplifiedLayerNormalization, Gelu) on 64 x 1024 less on 8 x 1024, per "
@@ -995,6 +1059,6 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         "[delegates.cpu.backends.onnx.peak_tops]",
         "int8 = "
         + _entry(ort["int8_tops"], src, "MatMulNBits with int8 activations (accuracy level 4, "
-                 "as ONNX cpu bundles export by default) 1024 x 1024 on 256 rows, median of 3"),
+                 "as ONNX cpu bundles export by default): " + _gemm_note("", quick, peak=True)),
     ]  # fmt: skip
     return "\n".join(lines) + "\n"

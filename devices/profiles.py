@@ -51,6 +51,10 @@ What the fields mean (the simulator relies on these definitions):
   - `linear_us` (optional): fixed time of one linear kernel beyond streaming its weights and
     its launch (a kernel's per-call setup: quantizing the activation row, its workspace), for
     bundles that count their linear kernels per method (ONNX). Absent: free.
+  - `ns_per_linear_element` (optional): time per activation element a linear kernel reads or
+    writes (rows x (inputs + outputs)) beside its FLOPs at `peak_tops` (quantizing its input
+    rows, writing its output): what makes a GEMM over narrow matrices slower per FLOP than a
+    wide one. Absent: free.
   - `node_us` (optional): fixed cost of a launch that is not a matmul (elementwise, shape and
     normalization nodes) on a "kernel" unit, where it is far below a matmul's `dispatch_us`;
     for bundles that count their nodes by kind (ExecuTorch's XNNPACK graphs). Absent:
@@ -97,7 +101,7 @@ _DELEGATE_OPTIONAL_NUMBERS = (
     "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "call_us",
     "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
     "ns_per_portable_element", "ns_per_element", "linear_us", "node_us", "resident_mb",
-    "resident_bandwidth_gbs", "resident_verify_bandwidth_gbs",
+    "resident_bandwidth_gbs", "resident_verify_bandwidth_gbs", "ns_per_linear_element",
 )  # fmt: skip
 BACKENDS = ("executorch", "onnx", "coreml")
 # what a [delegates.X.backends.Y] section may replace for bundles of backend Y
@@ -105,7 +109,7 @@ _BACKEND_NUMBERS = (
     "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
     "host_ns_per_logit", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
     "ns_per_element", "linear_us", "node_us", "resident_bandwidth_gbs",
-    "resident_verify_bandwidth_gbs",
+    "resident_verify_bandwidth_gbs", "ns_per_linear_element",
 )  # fmt: skip
 _FIX = "see the field conventions at the top of devices/profiles.py"
 
@@ -137,6 +141,7 @@ class DelegateProfile:
     resident_mb: float | None = None
     resident_bandwidth_gbs: float | None = None
     resident_verify_bandwidth_gbs: float | None = None
+    ns_per_linear_element: float | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def for_backend(self, backend: str | None) -> DelegateProfile:
@@ -352,6 +357,7 @@ class _Parser:
             resident_mb=optional.get("resident_mb"),
             resident_bandwidth_gbs=optional.get("resident_bandwidth_gbs"),
             resident_verify_bandwidth_gbs=optional.get("resident_verify_bandwidth_gbs"),
+            ns_per_linear_element=optional.get("ns_per_linear_element"),
             backends=self.backends(table.get("backends", {}), prefix),
         )
 

@@ -239,7 +239,8 @@ def call_terms(
     float_flops: int = 0,
 ) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
-    streamed, or FLOPs in the compute dtype; those on fewer rows than the call, a pruned
+    streamed, or FLOPs in the compute dtype and their activation elements at the profile's
+    `ns_per_linear_element`; those on fewer rows than the call, a pruned
     prefill's KV-shared layers and head, by their own), the attention's (K/V streamed, or
     FLOPs in the activation dtype) plus its scores' time, the `portable` elements fallback
     kernels write in slot bookkeeping and the `moved` ones they copy,
@@ -268,6 +269,7 @@ def call_terms(
         attention_dtype = max(unit.peak_tops, key=unit.peak_tops.__getitem__)
     linear = work.flops - work.attention_flops - work.few_rows_flops
     linear = linear / (unit.peak_tops[dtype] * 1e12)
+    linear += work.linear_elements * (unit.ns_per_linear_element or 0.0) * 1e-9
     linear += float_flops / (unit.peak_tops[attention_dtype] * 1e12)
     few_rows_linear = work.few_rows_flops / (unit.peak_tops[dtype] * 1e12)
     attention_tops = unit.attention_tops or unit.peak_tops[attention_dtype]
@@ -432,6 +434,10 @@ def simulate(
             "dispatch": f"{unit.call_us or 0} us per call + {unit.dispatch_us} us per "
             f"{unit.dispatch_unit}"
             + (f" + {unit.linear_us} us per linear kernel" if unit.linear_us else ""),
+            "linear_elements": f"{unit.ns_per_linear_element} ns per activation element a "
+            "linear reads or writes, beside its FLOPs"
+            if unit.ns_per_linear_element is not None
+            else "free: the linears' FLOPs at the peak alone",
             "attention": f"{unit.attention_tops} TFLOPS, {unit.ns_per_score} ns per score, "
             f"K/V at {unit.attention_bandwidth_gbs} GB/s"
             if unit.attention_tops is not None

@@ -84,7 +84,9 @@ class Work:
     many rows it carries. Of the weights and linear FLOPs, `few_rows_bytes` and
     `few_rows_flops` are those of linears that run on fewer rows than the call carries (a
     pruned prefill's KV-shared layers and head): their kernels stream weights while the others
-    compute, so a call prices the two apart."""
+    compute, so a call prices the two apart. `linear_elements`: the activation elements its
+    linears read and write (rows x (inputs + outputs) each), what a GEMM pays for beside its
+    FLOPs (quantizing its input rows, writing its output)."""
 
     flops: float = 0.0
     weight_bytes: float = 0.0
@@ -94,6 +96,7 @@ class Work:
     scores: float = 0.0
     few_rows_bytes: float = 0.0
     few_rows_flops: float = 0.0
+    linear_elements: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -105,6 +108,7 @@ class Work:
             self.scores + other.scores,
             self.few_rows_bytes + other.few_rows_bytes,
             self.few_rows_flops + other.few_rows_flops,
+            self.linear_elements + other.linear_elements,
         )
 
     @property
@@ -128,6 +132,26 @@ def layer_weights(cfg: TextConfig, spec: LayerSpec) -> int:
     if cfg.hidden_size_per_layer_input:
         n += 2 * h * cfg.hidden_size_per_layer_input
     return n
+
+
+def layer_linear_elements(cfg: TextConfig, spec: LayerSpec) -> int:
+    """Activation elements one row takes through a decoder layer's linears: each linear's
+    inputs and outputs (the K/V projections' apart: `kv_projection_elements`)."""
+    h, q = cfg.hidden_size, cfg.num_heads * spec.head_dim
+    n = 2 * (h + q)  # q_proj, o_proj
+    n += kv_projection_elements(cfg, spec)
+    n += 3 * (h + spec.intermediate_size)
+    if cfg.hidden_size_per_layer_input:
+        n += 2 * (h + cfg.hidden_size_per_layer_input)
+    return n
+
+
+def kv_projection_elements(cfg: TextConfig, spec: LayerSpec) -> int:
+    """One row's activation elements through a layer's k_proj and v_proj (none where it reuses
+    another layer's cache)."""
+    if not spec.owns_kv:
+        return 0
+    return (cfg.hidden_size + spec.num_kv_heads * spec.head_dim) * (1 if spec.k_eq_v else 2)
 
 
 def kv_read_bytes(
@@ -174,7 +198,8 @@ def forward_work(
         shared = spec.index >= cfg.first_shared_layer
         if pruned and spec.index == cfg.last_owning_layer:
             kv = kv_projection_weights(cfg, spec)  # for every row; the rest as a shared layer's
-            work += Work(2 * kv * len(positions), kv * bits / 8)
+            kv_elements = kv_projection_elements(cfg, spec) * len(positions)
+            work += Work(2 * kv * len(positions), kv * bits / 8, linear_elements=kv_elements)
             shared = True
         rows = positions[len(positions) - shared_rows :] if shared else positions
         if not rows:
@@ -184,20 +209,27 @@ def forward_work(
         cache = kv_read_bytes(cfg, spec, rows, n, cache_itemsize)
         weights = layer_weights(cfg, spec)
         flops = layer_flops(cfg, spec, rows, keys)
+        elements = layer_linear_elements(cfg, spec)
         if pruned and spec.index == cfg.last_owning_layer:
             weights -= kv_projection_weights(cfg, spec)
             flops -= 2 * kv_projection_weights(cfg, spec) * len(rows)
+            elements -= kv_projection_elements(cfg, spec)
         attention = attention_flops(cfg, spec, rows, keys)
         scores = attention_scores(cfg, spec, rows, keys)
-        work += Work(flops, weights * bits / 8, cache, 0, attention, scores)
+        elements *= len(rows)
+        work += Work(
+            flops, weights * bits / 8, cache, 0, attention, scores, linear_elements=elements
+        )
         if len(rows) < len(positions):
             work += Work(few_rows_bytes=weights * bits / 8, few_rows_flops=flops - attention)
     if cfg.hidden_size_per_layer_input:  # the per-layer input projection (model level)
-        n = cfg.hidden_size * cfg.num_layers * cfg.hidden_size_per_layer_input
-        work += Work(2 * n * len(positions), n * bits / 8)
+        out = cfg.num_layers * cfg.hidden_size_per_layer_input
+        n, elements = cfg.hidden_size * out, (cfg.hidden_size + out) * len(positions)
+        work += Work(2 * n * len(positions), n * bits / 8, linear_elements=elements)
     if logits_rows:
         head = cfg.hidden_size * cfg.vocab_size
-        work += Work(2 * head * logits_rows, head * bits / 8)
+        elements = (cfg.hidden_size + cfg.vocab_size) * logits_rows
+        work += Work(2 * head * logits_rows, head * bits / 8, linear_elements=elements)
         if logits_rows < len(positions):
             work += Work(few_rows_bytes=head * bits / 8, few_rows_flops=2 * head * logits_rows)
     return work
@@ -218,7 +250,8 @@ def draft_work(
     clustered head that computes them all and keeps the top clusters' logits)."""
     text, backbone = drafter.text, drafter.backbone_hidden_size
     n = 2 * backbone * text.hidden_size + text.hidden_size * backbone  # pre/post projections
-    work = Work(2 * n, n * bits / 8, rows=1)
+    elements = 2 * backbone + text.hidden_size + text.hidden_size + backbone
+    work = Work(2 * n, n * bits / 8, rows=1, linear_elements=elements)
     stores = target.store_layers
     for spec in text.layers:
         store = target.layers[stores[spec.attention]]
@@ -231,7 +264,10 @@ def draft_work(
             attention_flops(text, spec, row, keys),
             attention_scores(text, spec, row, keys),
         )
-        work += Work(flops, layer_weights(text, spec) * bits / 8, cache, 0, attention, scores)
+        weights, elements = layer_weights(text, spec), layer_linear_elements(text, spec)
+        work += Work(
+            flops, weights * bits / 8, cache, 0, attention, scores, linear_elements=elements
+        )
     h = text.hidden_size
     if not drafter.use_ordered_embeddings:
         rows = text.vocab_size
@@ -239,4 +275,5 @@ def draft_work(
         rows = drafter.num_centroids + text.vocab_size
     else:
         rows = drafter.num_centroids + drafter.centroid_top_k * drafter.tokens_per_centroid
-    return work + Work(2 * h * rows, h * rows * bits / 8)
+    elements = h + rows + (h if drafter.use_ordered_embeddings else 0)  # centroids, then rows
+    return work + Work(2 * h * rows, h * rows * bits / 8, linear_elements=elements)

@@ -18,6 +18,7 @@ from edgemtp.devices.calibrate import (
     ATTENTION_SHAPES,
     RESIDENT_LINEARS,
     fit_attention,
+    fit_gemm,
     resident_size,
 )
 from edgemtp.devices.profiles import DelegateProfile, load_profile
@@ -137,6 +138,14 @@ def test_weights_per_call_equal_the_model_parameters(pair):
     assert draft_work(a, cfg, 5, 8.0).weight_bytes == body + kept
     full = draft_work(a, cfg, 5, 8.0, full_head=True).weight_bytes
     assert full == body + a.text.vocab_size * a.text.hidden_size
+    # activation elements: each linear's inputs and outputs, one row through every one
+    ends = sum(m.in_features + m.out_features for m in target.model.modules()
+               if isinstance(m, torch.nn.Linear))  # fmt: skip
+    assert forward_work(cfg, range(1), 1, 1, 8.0).linear_elements == ends
+    assert forward_work(cfg, range(5), 5, 5, 8.0).linear_elements == 5 * ends
+    drafter_ends = sum(m.in_features + m.out_features for m in d.modules()
+                       if isinstance(m, torch.nn.Linear))  # fmt: skip
+    assert draft_work(a, cfg, 5, 8.0, full_head=True).linear_elements == drafter_ends
     # the denominator of a bundle's stored bits per weight: every linear of both programs
     every = sum(m.weight.numel() for m in d.modules() if isinstance(m, torch.nn.Linear))
     assert linear_weights(cfg, a) == linear + every
@@ -160,6 +169,8 @@ def test_a_pruned_prefills_few_row_linears_are_its_shared_layers_and_head(pair):
     assert work.few_rows_bytes == few + head
     assert work.few_rows_flops == 2 * (few + head)  # one row through each
     assert forward_work(cfg, range(8), 8, 8, 8.0).few_rows_bytes == 0  # a verify: all rows
+    # the pruned layers' activation elements: one row's, the last owning layer's K/V all rows'
+    assert work.linear_elements < forward_work(cfg, range(8), 8, 8, 8.0).linear_elements
     # priced apart: the body compute-bound, the few-row part memory-bound, one after the other
     unit = _unit()  # 10 GB/s, 1 int8 TOPS
     call = Work(flops=4e10 + 1e6, weight_bytes=2e8, rows=8, few_rows_bytes=1e8, few_rows_flops=1e6)
@@ -190,6 +201,23 @@ def test_call_seconds_is_roofline_plus_dispatch():
     assert call_seconds(compute_bound, unit, "fp32", 0) == pytest.approx(0.160)
     graph = _unit(dispatch_unit="graph", dispatch_us=300.0)  # one dispatch per call
     assert call_seconds(memory_bound, graph, "int8", 5000) == pytest.approx(0.010 + 300e-6)
+
+
+def test_linears_pay_for_their_activation_elements_as_calibration_solves_it():
+    """A GEMM is priced as its FLOPs at the peak plus its activation elements (rows x (inputs
+    + outputs)) at `ns_per_linear_element`; calibration solves both from a wide and a narrow
+    linear's times, and finds no element cost where the narrow one is as fast per FLOP."""
+    unit = _unit(ns_per_linear_element=0.5)  # 1 int8 TOPS
+    work = Work(flops=4e10, weight_bytes=1e6, rows=256, linear_elements=2e7)
+    assert call_seconds(work, unit, "int8", 0) == pytest.approx(0.040 + 0.010)
+    assert call_seconds(work, _unit(), "int8", 0) == pytest.approx(0.040)
+    shapes = [(256, 1024), (256, 256)]
+    seconds = [2 * r * n * n / 0.4e12 + r * 2 * n * 0.2e-9 for r, n in shapes]  # 0.4 TOPS, 0.2 ns
+    tops, ns = fit_gemm(shapes, seconds)
+    assert (tops, ns) == (pytest.approx(0.4), pytest.approx(0.2))
+    wide_rate = [2 * r * n * n / 0.4e12 for r, n in shapes]
+    assert fit_gemm(shapes, wide_rate) == (pytest.approx(0.4), 0.0)
+    assert fit_gemm(shapes, [wide_rate[0], wide_rate[1] * 0.9]) == (pytest.approx(0.4), 0.0)
 
 
 def test_nodes_that_are_not_matmuls_and_weights_that_stay_in_the_cache():
