@@ -776,13 +776,15 @@ class StandInProgram:
         return self.outputs[method]
 
 
-def host_costs(quick: bool = False) -> tuple[float, float]:
-    """(us per program call, ns per logit) of edgemtp's own host side: greedy decoding of the
-    embedded model's shapes (Q4_0 token and int8 per-layer tables, as bundles store them)
-    through `StaticBackend` over a `StandInProgram` that streams 32 MiB of int4 weights per
-    call, and numpy's argmax over a Gemma 4 logit row. A step's time outside the program less
-    its argmax is the per-call cost. (Timed alone, with warm caches, the host side takes about
-    half as long as beside a model.)"""
+def host_costs(quick: bool = False) -> tuple[float, float, float]:
+    """(us per program call, ns per logit, us per row beyond a call's first) of edgemtp's own
+    host side: greedy decoding of the embedded model's shapes (Q4_0 token and int8 per-layer
+    tables, as bundles store them) through `StaticBackend` over a `StandInProgram` that streams
+    32 MiB of int4 weights per call, and numpy's argmax over a Gemma 4 logit row. A step's time
+    outside the program less its argmax is the per-call cost; a 512-token prefill's (8 calls of
+    64 rows: table gathers, input copies) less 8 such calls, per row beyond each call's first,
+    the per-row cost. (Timed alone, with warm caches, the host side takes about half as long
+    as beside a model.)"""
     from edgemtp.export.static import StaticShapes
     from edgemtp.model.checkpoint import target_config
     from edgemtp.model.gemma4 import TokenTables
@@ -825,7 +827,17 @@ def host_costs(quick: bool = False) -> tuple[float, float]:
         s.seconds["total"] - s.seconds["target"] for s in result.steps if s.kind == "decode"
     )
     per_call_us = max(per_step - cfg.vocab_size * ns_per_logit * 1e-9, 0.0) * 1e6
-    return per_call_us, ns_per_logit
+
+    prompt = [3 + i % (cfg.vocab_size - 3) for i in range(8 * shapes.chunk)]
+    outside = []
+    for _ in range(3 if quick else 15):
+        backend.meter.seconds.clear()
+        start = time.perf_counter()
+        backend.prefill(prompt, 0)
+        outside.append(time.perf_counter() - start - backend.meter.seconds["target"])
+    rows = len(prompt) - 8
+    per_row_us = max(statistics.median(outside) * 1e6 - 8 * per_call_us, 0.0) / rows
+    return per_call_us, ns_per_logit, per_row_us
 
 
 def _attention_lines(rates: tuple[float, float, float], src: str, runtime: str) -> list[str]:
@@ -905,7 +917,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     ort_attention = onnx_attention(threads, quick)
     ort_elements = onnx_ns_per_element(threads, quick)
     say("edgemtp's host side (decoding beside a stand-in program)")
-    host_call_us, host_ns_per_logit = host_costs(quick)
+    host_call_us, host_ns_per_logit, host_row_us = host_costs(quick)
     say("power")
     power = measured_power(0.2 if quick else 3.0)
     ram = physical_memory() / 1e9
@@ -997,6 +1009,21 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         ),
         "host_ns_per_logit = "
         + _entry(host_ns_per_logit, src, "numpy argmax over a 262144-logit row, best median"),
+        *(
+            [
+                "host_us_per_row = "
+                + _entry(
+                    host_row_us,
+                    src,
+                    "edgemtp's Python host per row a call carries beyond its first (table "
+                    "gathers, input copies): a 512-token prefill through the same StaticBackend "
+                    "(8 calls of 64 rows), its time outside the program less 8 x host_call_us, "
+                    "per row beyond each call's first, median of 15",
+                )
+            ]
+            if host_row_us
+            else []
+        ),
         "call_us = "
         + _entry(max(per_call - per_op, 0.0), src, "ExecuTorch program call less its one operator"),
         *_linear_element_line(linear_ns, src, "XNNPACK 8da4w linears", quick),

@@ -69,10 +69,11 @@ What the fields mean (the simulator relies on these definitions):
     `host_*`, the attention numbers and `peak_tops` as the kernels of backend Y (executorch,
     onnx, coreml) run on this unit, where they were measured apart; a bundle of backend Y is
     priced with them.
-  - `host_call_us`, `host_ns_per_logit` (optional): the runtime host's own time around each
-    program call (gathering table rows, building inputs, the decode loop) and per logit it
-    chooses a token from. Measured for edgemtp's Python host by `devices calibrate`; absent,
-    the simulator prices the program calls alone and says so.
+  - `host_call_us`, `host_ns_per_logit`, `host_us_per_row` (optional): the runtime host's own
+    time around each program call (gathering table rows, building inputs, the decode loop), per
+    logit it chooses a token from, and per row a call carries beyond its first (a prefill
+    chunk's, a verify's table gathers and input copies). Measured for edgemtp's Python host by
+    `devices calibrate`; absent, the simulator prices the program calls alone and says so.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ _TOP_REQUIRED = {"name": str, "soc": str, "memory": str}
 _TOP_NUMBERS = ("ram_gb", "idle_w")
 _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispatch_us", "active_w")
 _DELEGATE_OPTIONAL_NUMBERS = (
-    "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "call_us",
+    "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "host_us_per_row",
+    "call_us",
     "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
     "ns_per_portable_element", "ns_per_element", "linear_us", "node_us", "resident_mb",
     "resident_bandwidth_gbs", "resident_verify_bandwidth_gbs", "ns_per_linear_element",
@@ -107,8 +109,8 @@ BACKENDS = ("executorch", "onnx", "coreml")
 # what a [delegates.X.backends.Y] section may replace for bundles of backend Y
 _BACKEND_NUMBERS = (
     "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
-    "host_ns_per_logit", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
-    "ns_per_element", "linear_us", "node_us", "resident_bandwidth_gbs",
+    "host_ns_per_logit", "host_us_per_row", "attention_tops", "attention_bandwidth_gbs",
+    "ns_per_score", "ns_per_element", "linear_us", "node_us", "resident_bandwidth_gbs",
     "resident_verify_bandwidth_gbs", "ns_per_linear_element",
 )  # fmt: skip
 _FIX = "see the field conventions at the top of devices/profiles.py"
@@ -129,6 +131,7 @@ class DelegateProfile:
     peak_w: float | None = None
     host_call_us: float | None = None
     host_ns_per_logit: float | None = None
+    host_us_per_row: float | None = None
     call_us: float | None = None
     verify_bandwidth_gbs: float | None = None
     attention_tops: float | None = None
@@ -345,6 +348,7 @@ class _Parser:
             peak_w=optional.get("peak_w"),
             host_call_us=optional.get("host_call_us"),
             host_ns_per_logit=optional.get("host_ns_per_logit"),
+            host_us_per_row=optional.get("host_us_per_row"),
             call_us=optional.get("call_us"),
             verify_bandwidth_gbs=optional.get("verify_bandwidth_gbs"),
             attention_tops=optional.get("attention_tops"),

@@ -366,6 +366,7 @@ def simulate(
     layers = cfg.num_layers
 
     host_call = (unit.host_call_us or 0.0) * 1e-6
+    host_row = (unit.host_us_per_row or 0.0) * 1e-6  # each row of a call beyond its first
     choose = (unit.host_ns_per_logit or 0.0) * 1e-9 * cfg.vocab_size  # one row's token
 
     prefill = _host(choose)
@@ -376,7 +377,8 @@ def simulate(
         work = forward_work(cfg, rows, int(last), int(last), bits, keys)
         owned = layers if last else cfg.first_shared_layer
         launches, counts = _launches(model, method, owned), _kernel_counts(model, method)
-        prefill += call_terms(work, unit, dtype, launches, *counts) + _host(host_call)
+        host = host_call + (len(rows) - 1) * host_row
+        prefill += call_terms(work, unit, dtype, launches, *counts) + _host(host)
     prefill_s = prefill.seconds
 
     middle = prompt + gen // 2
@@ -397,7 +399,7 @@ def simulate(
         verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
         counts = _kernel_counts(model, method)
         call = call_terms(verify, unit, dtype, _launches(model, method, layers), *counts)
-        terms[f"verify_{k}"] = call + _host(host_call + (k + 1) * choose)
+        terms[f"verify_{k}"] = call + _host(host_call + k * host_row + (k + 1) * choose)
         round_s[k] = terms[f"verify_{k}"].seconds + k * draft_s
     expected = {k: acceptance.expected_tokens(k) for k in depths}
     decode = {k: expected[k] / round_s[k] for k in depths}
@@ -445,7 +447,8 @@ def simulate(
             "elements": f"{unit.ns_per_portable_element} ns per portable-kernel element of "
             f"slot bookkeeping, {MOVED_BYTES} bytes per copied one at the memory bandwidth, "
             f"{unit.ns_per_element} ns per other non-matmul element (where the bundle counts them)",
-            "host": f"{unit.host_call_us} us per call, {unit.host_ns_per_logit} ns per logit"
+            "host": f"{unit.host_call_us} us per call, {unit.host_us_per_row or 0} us per row "
+            f"beyond a call's first, {unit.host_ns_per_logit} ns per logit"
             if unit.host_call_us is not None
             else "not in the profile: program calls priced alone",
             "launches": "operators each of the bundle's methods dispatches"

@@ -331,26 +331,29 @@ def test_a_few_rows_stream_weights_at_the_verify_bandwidth():
     assert call_seconds(chunk, unit, "int8", 0) == call_seconds(one, unit, "int8", 0)
 
 
-def test_the_hosts_cost_is_added_per_call_and_per_logit_row():
+def test_the_hosts_cost_is_added_per_call_per_row_and_per_logit_row():
     model = replace(model_from_preset("e2b", "q4_0", 4096, 128, max_draft=3), verify_depths=())
     profile = load_profile("galaxy-s26-ultra")
     acceptance = mean_acceptance(0.7, 0.9, 3)
     bare, hosted = (
         simulate(model, replace(profile, delegates={"cpu": unit}), "cpu", (0, 2), acceptance,
                  256, 128)
-        for unit in (_unit(), _unit(host_call_us=500.0, host_ns_per_logit=2.0))
+        for unit in (_unit(), _unit(host_call_us=500.0, host_ns_per_logit=2.0,
+                                    host_us_per_row=3.0))
     )  # fmt: skip
-    call, row = 500e-6, 2e-9 * model.target.vocab_size
-    # depth k: k drafter calls and one verify, each with its host call; k + (k + 1) rows
+    call, row, gather = 500e-6, 2e-9 * model.target.vocab_size, 3e-6
+    # depth k: k drafter calls and one verify, each with its host call; k + (k + 1) logit rows;
+    # the verify gathers k + 1 rows, k beyond its first
     for k in (0, 2):
-        extra = (k + 1) * call + (2 * k + 1) * row
+        extra = (k + 1) * call + (2 * k + 1) * row + k * gather
         assert hosted.round_ms[k] - bare.round_ms[k] == pytest.approx(1000 * extra)
     chunks = 2  # 256 prompt tokens in chunks of 128; one token chosen at the end
-    assert hosted.ttft_s - bare.ttft_s == pytest.approx(chunks * call + row)
+    host = chunks * call + row + chunks * 127 * gather
+    assert hosted.ttft_s - bare.ttft_s == pytest.approx(host)
     # the terms add up to what was predicted
     t = hosted.terms
     assert t["prefill"].seconds == pytest.approx(hosted.ttft_s)
-    assert t["prefill"].host_s == pytest.approx(chunks * call + row)
+    assert t["prefill"].host_s == pytest.approx(host)
     round_2 = t["verify_2"].seconds + 2 * t["draft_step"].seconds
     assert 1000 * round_2 == pytest.approx(hosted.round_ms[2])
 
