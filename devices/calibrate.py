@@ -143,10 +143,14 @@ def matmul_tops(dtype: str, n: int = 1024, rows: int = 256) -> float:
     if dtype == "fp16":
         a, b = torch.randn(rows, n, dtype=torch.float16), torch.randn(n, n, dtype=torch.float16)
         return flops / statistics.median(_median_seconds(lambda: a @ b, 3)) / 1e12
-    x = torch.randn(rows, n)
-    return (
-        flops / _call_seconds(_xnnpack_program(torch.nn.Linear(n, n, bias=False), x), x, 3) / 1e12
-    )
+    x, module = torch.randn(rows, n), torch.nn.Linear(n, n, bias=False)
+    return flops / _call_seconds(_xnnpack_program(module, x), x, 3) / 1e12
+
+
+# (rows, side) of the two square int8 GEMMs the linear model is solved from: a wide one and a
+# narrow one (E2B's hidden size is 1536, the embedded model's 256)
+GEMM_SHAPES = ((256, 1024), (256, 256))
+GEMM_QUICK = ((8, 128), (8, 32))
 
 
 def int8_gemm(quick: bool = False) -> tuple[float, float]:
@@ -160,12 +164,6 @@ def int8_gemm(quick: bool = False) -> tuple[float, float]:
         calls.append(lambda p=program, x=x: [p.forward((x,)) for _ in range(3)])
     seconds = _interleaved_medians(calls, 5 if quick else 15)
     return fit_gemm(shapes, [t / 3 for t in seconds])
-
-
-# (rows, side) of the two square int8 GEMMs the linear model is solved from: a wide one and a
-# narrow one (E2B's hidden size is 1536, the embedded model's 256)
-GEMM_SHAPES = ((256, 1024), (256, 256))
-GEMM_QUICK = ((8, 128), (8, 32))
 
 
 def fit_gemm(shapes: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float]:
@@ -612,6 +610,11 @@ def _onnx_node_chain(repeats: int, width: int, threads: int) -> tuple[Any, int]:
     return _ort_session(graph, threads), len(nodes)
 
 
+# (k, n, count): one row through this many independent MatMulNBits of an E2B x0.25 layer's
+# shape (295 MB in all: past the caches, as the streaming probe)
+NARROW_GEMV = (384, 2048, 600)
+
+
 def onnx_kernels(
     threads: int, quick: bool = False, limit_mb: float | None = None
 ) -> dict[str, float]:
@@ -620,7 +623,9 @@ def onnx_kernels(
     256 rows, its cost per call and per node (chains of `DECODER_NODE_MIX` on one row of 64,
     1 and 20 times over), and the fixed cost of one MatMulNBits beyond its bytes and its launch
     (64 independent 64 x 64 linears on one row against one: their bytes stream in under a
-    microsecond, the rest is the kernel's own setup)."""
+    microsecond, the rest is the kernel's own setup), and what a narrow one on one row takes
+    beyond its bytes at the probe's rate, its launch and that setup, per element it reads or
+    writes (`NARROW_GEMV`: ~9 GB/s where the 8192 x 8192 probe streams 11)."""
     import numpy as np
 
     k = n = 1024 if quick else 8192
@@ -662,6 +667,13 @@ def onnx_kernels(
     streaming = sessions[0][1] / (bandwidth[1] * 1e9)
     linear_us = max((per_linear - streaming - per_node) * 1e6, 0.0)
     call_us = max((per_call[0] / calls - few * per_node) * 1e6, 0.0)
+    k, n, count = (64, 256, 8) if quick else NARROW_GEMV
+    session, weight_bytes = _nbits_linear(k, n, 1, threads, count)
+    x = np.random.default_rng(1).standard_normal((1, k), dtype=np.float32)
+    feed = {f"x{i}": x for i in range(count)}
+    seconds = statistics.median(_median_seconds(lambda: session.run(None, feed), 9)) / count
+    beyond = seconds - weight_bytes / (bandwidth[1] * 1e9) - per_node - linear_us * 1e-6
+    gemv_ns = max(beyond, 0.0) / (k + n) * 1e9
     resident = {}
     if limit_mb is not None:
         side, count = resident_size(limit_mb, quick), RESIDENT_LINEARS
@@ -683,6 +695,7 @@ def onnx_kernels(
         "dispatch_us": max(per_node * 1e6, 0.01),
         "call_us": call_us,
         "linear_us": linear_us,
+        "ns_per_gemv_element": gemv_ns,
         **(
             {
                 "resident_bandwidth_gbs": resident[1],
@@ -774,6 +787,19 @@ class StandInProgram:
     def call(self, method: str, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self.work()
         return self.outputs[method]
+
+
+GEMV_NOTE = (
+    f"ONNX Runtime MatMulNBits on one row: what {NARROW_GEMV[2]} independent linears of "
+    f"{NARROW_GEMV[0]} inputs and {NARROW_GEMV[1]} outputs (295 MB, past the caches) take beyond "
+    "their bytes at memory_bandwidth_gbs, dispatch_us and linear_us, per element each reads or "
+    "writes, median of 9"
+)
+HOST_ROW_NOTE = (
+    "edgemtp's Python host per row a call carries beyond its first (table gathers, input "
+    "copies): a 512-token prefill through the same StaticBackend (8 calls of 64 rows), its time "
+    "outside the program less 8 x host_call_us, per row beyond each call's first, median of 15"
+)
 
 
 def host_costs(quick: bool = False) -> tuple[float, float, float]:
@@ -1009,21 +1035,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         ),
         "host_ns_per_logit = "
         + _entry(host_ns_per_logit, src, "numpy argmax over a 262144-logit row, best median"),
-        *(
-            [
-                "host_us_per_row = "
-                + _entry(
-                    host_row_us,
-                    src,
-                    "edgemtp's Python host per row a call carries beyond its first (table "
-                    "gathers, input copies): a 512-token prefill through the same StaticBackend "
-                    "(8 calls of 64 rows), its time outside the program less 8 x host_call_us, "
-                    "per row beyond each call's first, median of 15",
-                )
-            ]
-            if host_row_us
-            else []
-        ),
+        *([f"host_us_per_row = {_entry(host_row_us, src, HOST_ROW_NOTE)}"] if host_row_us else []),
         "call_us = "
         + _entry(max(per_call - per_op, 0.0), src, "ExecuTorch program call less its one operator"),
         *_linear_element_line(linear_ns, src, "XNNPACK 8da4w linears", quick),
@@ -1078,6 +1090,8 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         *_attention_lines(ort_attention, src, "ONNX Runtime"),
         *_linear_element_line(ort["ns_per_linear_element"], src,
                               "ONNX Runtime MatMulNBits (int8 activations)", quick),
+        *([f"ns_per_gemv_element = {_entry(ort['ns_per_gemv_element'], src, GEMV_NOTE)}"]
+          if ort["ns_per_gemv_element"] else []),
         "ns_per_element = "
         + _entry(ort_elements, src, "ONNX Runtime's non-matmul nodes: a chain of 24 (Mul, Add, "
                  "SimplifiedLayerNormalization, Gelu) on 64 x 1024 less on 8 x 1024, per "

@@ -55,6 +55,10 @@ What the fields mean (the simulator relies on these definitions):
     writes (rows x (inputs + outputs)) beside its FLOPs at `peak_tops` (quantizing its input
     rows, writing its output): what makes a GEMM over narrow matrices slower per FLOP than a
     wide one. Absent: free.
+  - `ns_per_gemv_element` (optional): the same for a linear on one row or a verify's few:
+    time per element of one row (inputs + outputs) beside streaming its weights, once per call
+    whatever its few rows: a narrow matrix's fixed work the wide streaming probe hides.
+    Absent: free.
   - `node_us` (optional): fixed cost of a launch that is not a matmul (elementwise, shape and
     normalization nodes) on a "kernel" unit, where it is far below a matmul's `dispatch_us`;
     for bundles that count their nodes by kind (ExecuTorch's XNNPACK graphs). Absent:
@@ -100,10 +104,10 @@ _TOP_NUMBERS = ("ram_gb", "idle_w")
 _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispatch_us", "active_w")
 _DELEGATE_OPTIONAL_NUMBERS = (
     "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "host_us_per_row",
-    "call_us",
-    "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs", "ns_per_score",
-    "ns_per_portable_element", "ns_per_element", "linear_us", "node_us", "resident_mb",
-    "resident_bandwidth_gbs", "resident_verify_bandwidth_gbs", "ns_per_linear_element",
+    "call_us", "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs",
+    "ns_per_score", "ns_per_portable_element", "ns_per_element", "linear_us", "node_us",
+    "resident_mb", "resident_bandwidth_gbs", "resident_verify_bandwidth_gbs",
+    "ns_per_linear_element", "ns_per_gemv_element",
 )  # fmt: skip
 BACKENDS = ("executorch", "onnx", "coreml")
 # what a [delegates.X.backends.Y] section may replace for bundles of backend Y
@@ -111,7 +115,7 @@ _BACKEND_NUMBERS = (
     "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
     "host_ns_per_logit", "host_us_per_row", "attention_tops", "attention_bandwidth_gbs",
     "ns_per_score", "ns_per_element", "linear_us", "node_us", "resident_bandwidth_gbs",
-    "resident_verify_bandwidth_gbs", "ns_per_linear_element",
+    "resident_verify_bandwidth_gbs", "ns_per_linear_element", "ns_per_gemv_element",
 )  # fmt: skip
 _FIX = "see the field conventions at the top of devices/profiles.py"
 
@@ -145,6 +149,7 @@ class DelegateProfile:
     resident_bandwidth_gbs: float | None = None
     resident_verify_bandwidth_gbs: float | None = None
     ns_per_linear_element: float | None = None
+    ns_per_gemv_element: float | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def for_backend(self, backend: str | None) -> DelegateProfile:
@@ -362,6 +367,7 @@ class _Parser:
             resident_bandwidth_gbs=optional.get("resident_bandwidth_gbs"),
             resident_verify_bandwidth_gbs=optional.get("resident_verify_bandwidth_gbs"),
             ns_per_linear_element=optional.get("ns_per_linear_element"),
+            ns_per_gemv_element=optional.get("ns_per_gemv_element"),
             backends=self.backends(table.get("backends", {}), prefix),
         )
 

@@ -207,9 +207,9 @@ def compute_dtype(unit: DelegateProfile, delegate: str, quant: str) -> str:
 @dataclass(frozen=True)
 class Terms:
     """Where predicted time goes, over one or more calls: each call costs the roofline of its
-    linears (those on fewer rows than the call apart), of its attention (each max(memory,
-    compute)), its attention scores, the
-    elements its other kernels write, dispatch and host, summed in `seconds`."""
+    linears (those on fewer rows than the call apart) and of its attention (each max(memory,
+    compute)), its attention scores, the elements its other kernels write, dispatch and host,
+    summed in `seconds`."""
 
     seconds: float = 0.0
     memory_s: float = 0.0
@@ -240,17 +240,17 @@ def call_terms(
 ) -> Terms:
     """One program call as its kernels run, one after another: the linears' roofline (weights
     streamed, or FLOPs in the compute dtype and their activation elements at the profile's
-    `ns_per_linear_element`; those on fewer rows than the call, a pruned
-    prefill's KV-shared layers and head, by their own), the attention's (K/V streamed, or
-    FLOPs in the activation dtype) plus its scores' time, the `portable` elements fallback
-    kernels write in slot bookkeeping and the `moved` ones they copy,
-    the `elementwise` elements its other non-matmul kernels write (where the bundle counts
-    them), dispatch (of which `nodes` launches are not matmuls, at the profile's `node_us`),
-    and the fixed cost of each of its `linears` kernels (where counted). `float_flops`: the
-    FLOPs of linears the program runs in the activation dtype besides the model's own (an
-    ExecuTorch program's Q4_0 offset pairs and norm means), at that dtype's peak. Weights and K/V
-    that fit the profile's `resident_mb` stream at a rate between its resident and memory
-    rates, by their size (`cache_rate`)."""
+    `ns_per_linear_element`; on a verify's few rows or one, one row's elements at
+    `ns_per_gemv_element` beside the weights; those on fewer rows than the call, a pruned
+    prefill's KV-shared layers and head, by their own), the attention's (K/V streamed, or FLOPs
+    in the activation dtype) plus its scores' time, the `portable` elements fallback kernels
+    write in slot bookkeeping and the `moved` ones they copy, the `elementwise` elements its
+    other non-matmul kernels write (where the bundle counts them), dispatch (of which `nodes`
+    launches are not matmuls, at the profile's `node_us`), and the fixed cost of each of its
+    `linears` kernels (where counted). `float_flops`: the FLOPs of linears the program runs in
+    the activation dtype besides the model's own (an ExecuTorch program's Q4_0 offset pairs and
+    norm means), at that dtype's peak. Weights and K/V that fit the profile's `resident_mb`
+    stream at a rate between its resident and memory rates, by their size (`cache_rate`)."""
     verify_rows = 2 <= work.rows <= VERIFY_ROWS
     bandwidth = unit.memory_bandwidth_gbs
     if unit.verify_bandwidth_gbs and verify_rows:
@@ -272,6 +272,10 @@ def call_terms(
     linear += work.linear_elements * (unit.ns_per_linear_element or 0.0) * 1e-9
     linear += float_flops / (unit.peak_tops[attention_dtype] * 1e12)
     few_rows_linear = work.few_rows_flops / (unit.peak_tops[dtype] * 1e12)
+    if work.rows <= VERIFY_ROWS:  # a decode step's or a verify's linears: one row's elements,
+        # whatever the few rows (ONNX Runtime, narrow linears: 16 us beyond the bytes on 1 or 4)
+        row_elements = work.linear_elements / max(work.rows, 1)
+        weights += row_elements * (unit.ns_per_gemv_element or 0.0) * 1e-9
     attention_tops = unit.attention_tops or unit.peak_tops[attention_dtype]
     attention = work.attention_flops / (attention_tops * 1e12)
     scores = work.scores * (unit.ns_per_score or 0.0) * 1e-9
@@ -440,6 +444,10 @@ def simulate(
             "linear reads or writes, beside its FLOPs"
             if unit.ns_per_linear_element is not None
             else "free: the linears' FLOPs at the peak alone",
+            "gemv_elements": f"{unit.ns_per_gemv_element} ns per activation element of a "
+            "linear on a few rows, beside streaming its weights"
+            if unit.ns_per_gemv_element is not None
+            else "free: a few rows' linears stream at the bandwidth alone",
             "attention": f"{unit.attention_tops} TFLOPS, {unit.ns_per_score} ns per score, "
             f"K/V at {unit.attention_bandwidth_gbs} GB/s"
             if unit.attention_tops is not None

@@ -211,6 +211,13 @@ def test_linears_pay_for_their_activation_elements_as_calibration_solves_it():
     work = Work(flops=4e10, weight_bytes=1e6, rows=256, linear_elements=2e7)
     assert call_seconds(work, unit, "int8", 0) == pytest.approx(0.040 + 0.010)
     assert call_seconds(work, _unit(), "int8", 0) == pytest.approx(0.040)
+    # one row, memory-bound: its elements at the matrix-vector rate, beside its 10 ms of weights
+    gemv = _unit(ns_per_linear_element=0.5, ns_per_gemv_element=4.0)
+    step = Work(flops=1e8, weight_bytes=1e8, rows=1, linear_elements=1e6)
+    assert call_seconds(step, gemv, "int8", 0) == pytest.approx(0.010 + 0.004)
+    verify = replace(step, rows=4, linear_elements=4e6)  # once per call, not per row
+    assert call_seconds(verify, gemv, "int8", 0) == pytest.approx(0.010 + 0.004)
+    assert call_seconds(work, gemv, "int8", 0) == pytest.approx(0.050)  # a chunk: the GEMM's
     shapes = [(256, 1024), (256, 256)]
     seconds = [2 * r * n * n / 0.4e12 + r * 2 * n * 0.2e-9 for r, n in shapes]  # 0.4 TOPS, 0.2 ns
     tops, ns = fit_gemm(shapes, seconds)
@@ -479,10 +486,14 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     attention = {"attention_tops", "ns_per_score", "attention_bandwidth_gbs"}
     # weights that stay in the cache, where sysfs tells its size
     resident = {"resident_bandwidth_gbs", "resident_verify_bandwidth_gbs"}
-    assert set(cpu.backends["onnx"]) == {
+    # the element costs are written only where measured above zero (a quick run's tiny
+    # linears may show none)
+    elements = {"ns_per_linear_element", "ns_per_gemv_element"}
+    assert set(cpu.backends["onnx"]) - elements == {
         "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "peak_tops",
         "ns_per_element", "linear_us", *attention, *(resident if cpu.resident_mb else ()),
     }  # fmt: skip
+    assert all(onnx.__dict__[name] is None or onnx.__dict__[name] > 0 for name in elements)
     if cpu.resident_mb:
         assert all(getattr(unit, name) > 0 for name in resident for unit in (cpu, onnx))
     assert cpu.node_us > 0
