@@ -38,7 +38,12 @@ from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.bundle import Lowered, Progress
-from edgemtp.export.exportable import ArithmeticMaskTarget, ExportRMSNorm, make_exportable
+from edgemtp.export.exportable import (
+    ArithmeticMaskDrafter,
+    ArithmeticMaskTarget,
+    ExportRMSNorm,
+    make_exportable,
+)
 from edgemtp.export.lower import (
     backend_config,
     delegation_summary,
@@ -49,7 +54,7 @@ from edgemtp.export.lower import (
 )
 from edgemtp.export.static import StaticBundle, method_kind
 from edgemtp.export.weights import Int4Weight, int4_of
-from edgemtp.model.gemma4 import ClusteredHead, Gemma4Target
+from edgemtp.model.gemma4 import ClusteredHead, Gemma4Drafter, Gemma4Target
 
 PROGRAM = "model.pte"
 COREML_UNITS = {"metal": "CPU_AND_GPU", "npu": "CPU_AND_NE"}
@@ -355,6 +360,8 @@ def xnnpack_forms(model: nn.Module, role: str = "") -> dict[str, Any]:
     for path, module in list(model.named_modules()):
         if type(module) is Gemma4Target:
             module.__class__ = ArithmeticMaskTarget
+        elif type(module) is Gemma4Drafter:
+            module.__class__ = ArithmeticMaskDrafter
         elif type(module) is ExportRMSNorm:
             d = _norm_dim(model, path, module)
             module.__class__ = LinearMeanRMSNorm

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from edgemtp.model.gemma4 import Attention, Gemma4Target, RMSNorm, apply_rope
+from edgemtp.model.gemma4 import Attention, Gemma4Drafter, Gemma4Target, RMSNorm, apply_rope
 
 _ADDITIVE: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -78,6 +78,20 @@ class ArithmeticMaskTarget(Gemma4Target):
         window = self.cfg.sliding_window
         return {
             kind: additive_target_mask(positions, keys, window if kind == "sliding" else None)
+            for kind, keys in kv_pos.items()
+        }
+
+
+class ArithmeticMaskDrafter(Gemma4Drafter):
+    """The assistant with additive float masks: it reads the target's entries before its
+    position, its sliding window the window + 1 newest of them, which is `target_mask` of the
+    row before it with a window one longer. As bool masks they were ~18 portable operators of
+    a draft step and split it into more delegates."""
+
+    def masks(self, pos: Tensor, kv_pos: dict[str, Tensor]) -> dict[str, Tensor]:
+        window = self.cfg.text.sliding_window + 1
+        return {
+            kind: additive_target_mask(pos - 1, keys, window if kind == "sliding" else None)
             for kind, keys in kv_pos.items()
         }
 

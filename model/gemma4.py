@@ -382,6 +382,14 @@ class Gemma4Drafter(nn.Module):
         )
         register_rope(self, text)
 
+    def masks(self, pos: Tensor, kv_pos: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The draft step's attention mask over each kind's cache (once per kind, as RoPE)."""
+        window = self.cfg.text.sliding_window
+        return {
+            kind: drafter_mask(pos, keys, window if kind == "sliding" else None)
+            for kind, keys in kv_pos.items()
+        }
+
     def forward(
         self, token_embed: Tensor, target_hidden: Tensor, position: int, cache: CacheView
     ) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -392,17 +400,15 @@ class Gemma4Drafter(nn.Module):
         Returns (next hidden [hidden_t], token ids of the logits or None for the whole
         vocabulary, logits).
         """
-        text = self.cfg.text
         h = self.pre_projection(torch.cat([token_embed, target_hidden])[None])
         pos = torch.tensor([position])
+        kinds = sorted({layer.spec.attention for layer in self.layers})
+        masks = self.masks(pos, {kind: cache.positions(kind) for kind in kinds})
+        ropes = {kind: rope_cos_sin(pos, getattr(self, f"{kind}_inv_freq")) for kind in kinds}
         for layer in self.layers:
             kind = layer.spec.attention
-            store = self.stores[kind]
-            k, v = cache.kv(store)
-            window = text.sliding_window if kind == "sliding" else None
-            mask = drafter_mask(pos, cache.positions(kind), window)
-            cos, sin = rope_cos_sin(pos, getattr(self, f"{kind}_inv_freq"))
-            h, _, _ = layer(h, cos, sin, (k, v), mask, None)
+            cos, sin = ropes[kind]
+            h, _, _ = layer(h, cos, sin, cache.kv(self.stores[kind]), masks[kind], None)
         h = self.norm(h)[0]
         next_hidden = self.post_projection(h)
         if self.masked_embedding is not None:

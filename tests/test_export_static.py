@@ -7,11 +7,16 @@ import torch
 from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 
 from edgemtp.export.driver import EagerRunner
-from edgemtp.export.exportable import BLOCKED, ArithmeticMaskTarget, additive_target_mask
+from edgemtp.export.exportable import (
+    BLOCKED,
+    ArithmeticMaskDrafter,
+    ArithmeticMaskTarget,
+    additive_target_mask,
+)
 from edgemtp.export.lower import export_methods, ops_per_layer
 from edgemtp.export.static import StaticBundle, StaticCache, StaticShapes, auto_context_buckets
 from edgemtp.model.checkpoint import load_drafter, load_target
-from edgemtp.model.gemma4 import target_mask
+from edgemtp.model.gemma4 import Gemma4Drafter, target_mask
 from edgemtp.model.synth import write_preset
 from edgemtp.runtime.backends import StaticBackend, prefill
 from edgemtp.runtime.generate import generate
@@ -77,11 +82,29 @@ def test_arithmetic_mask_blocks_exactly_what_the_bool_mask_blocks(window):
     assert torch.equal(torch.softmax(scores + additive, dim=-1), ref)
 
 
+def test_drafter_arithmetic_mask_blocks_exactly_what_its_bool_mask_blocks(paths):
+    """The assistant reads the entries before its position, its sliding window the window + 1
+    newest of them: over past, current, future and empty slots, and slots at the window's edge."""
+    drafter = _load(paths)[1].model
+    window = drafter.cfg.text.sliding_window
+    pos = torch.tensor([40])
+    keys = torch.tensor([-1, 0, 40 - window - 2, 40 - window - 1, 40 - window, 20, 38, 39, 40, 41])
+    kv_pos = {"sliding": keys, "full": keys}
+    attends = Gemma4Drafter.masks(drafter, pos, kv_pos)
+    additive = ArithmeticMaskDrafter.masks(drafter, pos, kv_pos)
+    for kind in kv_pos:
+        assert torch.equal(additive[kind] == 0, attends[kind]), kind
+        assert (additive[kind][~attends[kind]] <= BLOCKED).all()
+    assert attends["sliding"].sum() < attends["full"].sum()  # the window did block something
+
+
 @pytest.mark.parametrize("depth", [0, 2])
 def test_arithmetic_masks_decode_the_reference_tokens(reference, paths, depth):
     target, drafter = _load(paths)
     bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
     bundle.target.target.__class__ = ArithmeticMaskTarget  # as XNNPACK programs compute
+    assert bundle.drafter is not None
+    bundle.drafter.drafter.__class__ = ArithmeticMaskDrafter
     backend = StaticBackend(EagerRunner(bundle), target.tables, target.cfg)
     ref_target, ref_drafter = reference
     ref = generate(ref_target, _prompt(), N_NEW, drafter=ref_drafter, mtp_depth=depth,
