@@ -154,6 +154,45 @@ def segment_attention(q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group
     return sum(parts[1:], parts[0])
 
 
+CACHE_ATTENTION = (
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_new, Tensor? v_new, Tensor mask)"
+)
+_LIBRARY = torch.library.Library("edgemtp", "DEF")
+_LIBRARY.define("cache_attention" + CACHE_ATTENTION + " -> Tensor")
+_LIBRARY.define("cache_attention.out" + CACHE_ATTENTION[:-1] + ", *, Tensor(a!) out) -> Tensor(a!)")
+
+
+def cache_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_new: Tensor | None,
+    v_new: Tensor | None,
+    mask: Tensor,
+) -> Tensor:
+    """What `edgemtp::cache_attention` computes (runtime/kernels/cache_attention.cpp): q
+    [kv_heads, group * rows, head_dim] over the first `keys - new` cache slots, then the new
+    keys, `mask` [rows, keys] additive."""
+    fresh = 0 if k_new is None else k_new.shape[1]
+    cached = mask.shape[1] - fresh
+    if cached < k_cache.shape[1]:  # (a slice is a copy in XNNPACK: none where it is all)
+        k_cache, v_cache = k_cache[:, :cached], v_cache[:, :cached]
+    ks = (k_cache,) + (() if k_new is None else (k_new,))
+    vs = (v_cache,) + (() if v_new is None else (v_new,))
+    return segment_attention(q, ks, vs, mask, q.shape[1] // mask.shape[0])
+
+
+def _cache_attention_out(*args: Tensor | None, out: Tensor) -> Tensor:
+    return out.copy_(cache_attention(*args))  # type: ignore[arg-type]
+
+
+_LIBRARY.impl("cache_attention", cache_attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("cache_attention.out", _cache_attention_out, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "edgemtp::cache_attention", lambda q, *_: torch.empty_like(q), lib=_LIBRARY
+)
+
+
 def make_exportable(module: nn.Module) -> nn.Module:
     """Swap every RMSNorm and Attention of `module` to its export form, in place."""
     for m in module.modules():

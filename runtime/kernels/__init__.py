@@ -1,0 +1,126 @@
+"""edgemtp's own ExecuTorch kernels, built on this machine against the installed runtime.
+
+`cache_attention.cpp` is `edgemtp::cache_attention.out`: attention of a few rows over the
+static KV cache that reads only the slots the mask lets some row attend to (see the file).
+ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
+library linked to that same file registers its kernels there when it is loaded. So `load()`
+compiles the sources once per source, compiler and ExecuTorch version into
+`~/.cache/edgemtp/kernels/<hash>/` (written to a temporary folder, then renamed) and loads the
+result; a program that calls `edgemtp::` operators loads only after that. The apps' C++ core
+compiles the same sources into its runner (apps/core/tests/executorch.cmake).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from importlib import metadata
+from pathlib import Path
+
+from edgemtp.errors import EdgeMTPError
+from edgemtp.files import staged_folder
+
+SOURCES = (Path(__file__).with_name("cache_attention.cpp"),)
+CACHE_ATTENTION = "edgemtp::cache_attention.out"  # as a program (and a manifest) names it
+BUILD_CACHE = Path.home() / ".cache" / "edgemtp" / "kernels"
+LIBRARY = "libedgemtp_kernels.so"
+C10_HEADERS = "include/executorch/runtime/core/portable_type/c10"  # the c10 ExecuTorch vendors
+FLAGS = (
+    "-O3",
+    *(  # built where it runs: this machine's vector width (AVX-512's full width where it has it)
+        ("-march=native", "-mprefer-vector-width=512")
+        if platform.machine().lower() in ("x86_64", "amd64")
+        else ("-mcpu=native",)
+    ),
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-DC10_USING_CUSTOM_GENERATED_MACROS",  # what ExecuTorch's CMake package asks consumers for
+    "-DET_USE_THREADPOOL",  # parallel_for on the threadpool XNNPACK uses
+)
+
+
+def executorch_root() -> Path:
+    import executorch
+
+    return Path(executorch.__path__[0])
+
+
+def compiler() -> str | None:
+    named = os.environ.get("CXX")
+    if named:
+        return shutil.which(named)
+    return shutil.which("g++") or shutil.which("clang++")
+
+
+def _build_key(cxx: str) -> str:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (version, metadata.version("executorch"), " ".join(FLAGS)):
+        digest.update(part.encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build(cache_dir: Path = BUILD_CACHE) -> Path:
+    """The kernels' shared library, compiled first when this key has none yet."""
+    cxx = compiler()
+    if cxx is None:
+        named = os.environ.get("CXX")
+        found = f"CXX={named} was not found" if named else "none was found (g++, clang++)"
+        raise EdgeMTPError(
+            f"edgemtp's ExecuTorch kernels are compiled on this machine and need a C++17 "
+            f"compiler; {found}: install g++ (apt install g++) or set CXX, or export the "
+            "bundle with --attention matmul"
+        )
+    folder = cache_dir / _build_key(cxx)
+    library = folder / LIBRARY
+    if library.exists():
+        return library
+    lib_dir = executorch_root() / "lib"
+    with staged_folder(folder) as tmp:
+        command = [
+            cxx,
+            *FLAGS,
+            f"-I{executorch_root() / 'include'}",
+            f"-I{executorch_root() / C10_HEADERS}",
+            *map(str, SOURCES),
+            "-o",
+            str(tmp / LIBRARY),
+            f"-L{lib_dir}",
+            "-lexecutorch",
+            "-lexecutorch_threadpool",
+            f"-Wl,-rpath,{lib_dir}",
+        ]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = done.stderr.strip().splitlines()
+            first = next((line for line in lines if "error" in line), lines[-1] if lines else "")
+            raise EdgeMTPError(
+                f"compiling edgemtp's ExecuTorch kernels failed ({cxx}): {first or 'no output'}; "
+                "set CXX to a C++17 compiler, or export the bundle with --attention matmul"
+            )
+    return library
+
+
+@cache
+def load() -> Path:
+    """Build if needed and load the kernels into ExecuTorch's registry (once per process)."""
+    library = build()
+    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    return library
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot be built here, or None when they can."""
+    try:
+        load()
+    except (EdgeMTPError, OSError) as e:
+        return str(e)
+    return None

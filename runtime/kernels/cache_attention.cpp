@@ -1,0 +1,308 @@
+// edgemtp::cache_attention.out: grouped-query attention of a few rows over a static KV cache,
+// reading only the cache slots some row may attend to.
+//
+// XNNPACK runs the static programs' attention as batched matmuls over every slot of the cache,
+// and packs the whole cache at every call (~8 GB/s here): a decode step at position 16 pays for
+// all 512 slots of its bucket, one at position 1800 for all 2048. This kernel skips every key
+// the additive mask blocks for all rows (empty slots, future positions, out of the window), so
+// its cost follows the keys actually attended, and it reads each K and V row once for all the
+// rows of a KV group. Keys are split into chunks run on ExecuTorch's threadpool; each chunk keeps
+// its own softmax max and sum, merged at the end (flash-decoding).
+//
+// Shapes (contiguous float32):
+//   q        [kv_heads, group * rows, head_dim]  query row g * rows + t belongs to mask row t
+//   k_cache  [kv_heads, slots, head_dim]         slots may exceed what the mask reads
+//   v_cache  [kv_heads, slots, head_dim]
+//   k_new    [kv_heads, fresh, head_dim] or none  the call's own keys, after the cache's
+//   v_new    [kv_heads, fresh, head_dim] or none
+//   mask     [rows, keys]                        additive: 0 attends, <= -1e29 blocked; the
+//                                                cache's first keys - fresh slots are read
+//   out      [kv_heads, group * rows, head_dim]
+// Scores are q . k (scale 1.0). A row that every key blocks gets zeros (the static programs
+// never build one).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
+#include <executorch/runtime/kernel/kernel_includes.h>
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
+
+namespace edgemtp {
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::aten::optional;
+using executorch::aten::Tensor;
+using executorch::runtime::KernelRuntimeContext;
+
+constexpr float kBlocked = -1e29f;  // masks block with multiples of -1e30
+constexpr int64_t kChunk = 128;     // keys per task: small enough to split a 512-key decode
+
+constexpr int kRows = 4;  // query rows sharing every K and V row loaded
+
+// One register of floats as one value (GCC/Clang vector extension), as wide as the build's
+// target allows: AVX-512, AVX, else SSE/NEON. The accumulators below stay in registers, as
+// arrays of floats would not (they spilled to the stack at every key).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+inline float lane_sum(Vec v) {
+  float sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += v[l];
+  return sum;
+}
+
+// scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time.
+template <int R>
+void block_scores(const float* q, int64_t dim, const float* const* keys, int64_t n, float* scores,
+                  int64_t stride) {
+  const int64_t body = dim - dim % kLanes;
+  auto tail = [&](int r, const float* k) {
+    float sum = 0;
+    for (int64_t d = body; d < dim; ++d) sum += q[r * dim + d] * k[d];
+    return sum;
+  };
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const float* k0 = keys[i];
+    const float* k1 = keys[i + 1];
+    Vec a0[R] = {}, a1[R] = {};
+    for (int64_t d = 0; d < body; d += kLanes) {
+      const Vec x0 = load(k0 + d), x1 = load(k1 + d);
+      for (int r = 0; r < R; ++r) {
+        const Vec qr = load(q + r * dim + d);
+        a0[r] += qr * x0;
+        a1[r] += qr * x1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      scores[r * stride + i] = lane_sum(a0[r]) + tail(r, k0);
+      scores[r * stride + i + 1] = lane_sum(a1[r]) + tail(r, k1);
+    }
+  }
+  for (; i < n; ++i) {
+    Vec a[R] = {};
+    for (int64_t d = 0; d < body; d += kLanes) {
+      const Vec x = load(keys[i] + d);
+      for (int r = 0; r < R; ++r) a[r] += load(q + r * dim + d) * x;
+    }
+    for (int r = 0; r < R; ++r) scores[r * stride + i] = lane_sum(a[r]) + tail(r, keys[i]);
+  }
+}
+
+// out[r * dim + d] = sum over i of weights[r * stride + i] * values[i][d], for R rows, two
+// vectors of columns at a time, over blocks of keys whose value rows stay in L1.
+constexpr int64_t kKeyBlock = 32;
+
+template <int R>
+void block_values(const float* weights, int64_t stride, const float* const* values, int64_t n,
+                  int64_t dim, float* out) {
+  for (int64_t first = 0; first < n; first += kKeyBlock) {
+    const int64_t last = std::min(n, first + kKeyBlock);
+    int64_t d = 0;
+    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
+      Vec a0[R] = {}, a1[R] = {};
+      if (first > 0) {
+        for (int r = 0; r < R; ++r) {
+          a0[r] = load(out + r * dim + d);
+          a1[r] = load(out + r * dim + d + kLanes);
+        }
+      }
+      for (int64_t i = first; i < last; ++i) {
+        const Vec v0 = load(values[i] + d), v1 = load(values[i] + d + kLanes);
+        for (int r = 0; r < R; ++r) {
+          const float w = weights[r * stride + i];
+          a0[r] += w * v0;
+          a1[r] += w * v1;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        store(out + r * dim + d, a0[r]);
+        store(out + r * dim + d + kLanes, a1[r]);
+      }
+    }
+    for (; d < dim; ++d) {
+      for (int r = 0; r < R; ++r) {
+        float sum = first > 0 ? out[r * dim + d] : 0.0f;
+        for (int64_t i = first; i < last; ++i) sum += weights[r * stride + i] * values[i][d];
+        out[r * dim + d] = sum;
+      }
+    }
+  }
+}
+
+struct Partial {  // one chunk's softmax state per query row: max, sum, unnormalised output
+  float* max;
+  float* sum;
+  float* acc;
+};
+
+}  // namespace
+
+Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache,
+                            const Tensor& v_cache, const optional<Tensor>& k_new,
+                            const optional<Tensor>& v_new, const Tensor& mask, Tensor& out) {
+  ET_KERNEL_CHECK(ctx, q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, InvalidArgument,
+                  out);
+  ET_KERNEL_CHECK(ctx, k_new.has_value() == v_new.has_value() && mask.dim() == 2, InvalidArgument,
+                  out);
+  const int64_t fresh = k_new.has_value() ? k_new->size(1) : 0;
+  ET_KERNEL_CHECK(ctx,
+                  q.scalar_type() == ScalarType::Float &&
+                      k_cache.scalar_type() == ScalarType::Float &&
+                      v_cache.scalar_type() == ScalarType::Float &&
+                      mask.scalar_type() == ScalarType::Float,
+                  InvalidArgument, out);
+  const int64_t kv_heads = q.size(0), q_rows = q.size(1), dim = q.size(2);
+  const int64_t rows = mask.size(0), keys = mask.size(1), cached = keys - fresh;
+  const int64_t slots = k_cache.size(1);
+  ET_KERNEL_CHECK(ctx, rows > 0 && q_rows % rows == 0 && cached >= 0 && cached <= slots,
+                  InvalidArgument, out);
+  ET_KERNEL_CHECK(ctx,
+                  k_cache.size(0) == kv_heads && v_cache.size(0) == kv_heads &&
+                      v_cache.size(1) == slots && k_cache.size(2) == dim &&
+                      v_cache.size(2) == dim,
+                  InvalidArgument, out);
+  for (const optional<Tensor>* t : {&k_new, &v_new}) {
+    if (!t->has_value()) continue;
+    const Tensor& x = **t;
+    ET_KERNEL_CHECK(ctx,
+                    x.dim() == 3 && x.scalar_type() == ScalarType::Float &&
+                        x.size(0) == kv_heads && x.size(1) == fresh && x.size(2) == dim,
+                    InvalidArgument, out);
+  }
+  ET_KERNEL_CHECK(ctx, executorch::runtime::resize_tensor(out, q.sizes()) ==
+                           executorch::runtime::Error::Ok,
+                  InvalidArgument, out);
+
+  const float* qd = q.const_data_ptr<float>();
+  const float* kc = k_cache.const_data_ptr<float>();
+  const float* vc = v_cache.const_data_ptr<float>();
+  const float* kn = fresh ? k_new->const_data_ptr<float>() : nullptr;
+  const float* vn = fresh ? v_new->const_data_ptr<float>() : nullptr;
+  const float* md = mask.const_data_ptr<float>();
+  float* od = out.mutable_data_ptr<float>();
+
+  const int64_t chunks = (keys + kChunk - 1) / kChunk;
+  const int64_t tasks = kv_heads * chunks;
+  const int64_t stride = q_rows * (dim + 2);  // one Partial's floats
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < tasks * stride) scratch.resize(tasks * stride);
+  float* base = scratch.data();
+  auto partial = [&](int64_t task) {
+    float* p = base + task * stride;
+    return Partial{p, p + q_rows, p + 2 * q_rows};
+  };
+
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(q_rows * kChunk));
+    std::vector<int64_t> live(kChunk);
+    std::vector<const float*> key_rows(kChunk), value_rows(kChunk);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task / chunks, first = (task % chunks) * kChunk;
+      const int64_t last = std::min(keys, first + kChunk);
+      Partial state = partial(task);
+      std::fill(state.max, state.max + q_rows, -std::numeric_limits<float>::infinity());
+      std::fill(state.sum, state.sum + q_rows, 0.0f);
+      int64_t n = 0;
+      for (int64_t j = first; j < last; ++j) {
+        bool open = false;
+        for (int64_t t = 0; t < rows && !open; ++t) open = md[t * keys + j] > kBlocked;
+        if (open) live[n++] = j;
+      }
+      if (n == 0) {
+        std::fill(state.acc, state.acc + q_rows * dim, 0.0f);
+        continue;
+      }
+      const float* hq = qd + head * q_rows * dim;
+      auto key_row = [&](const float* cache, const float* own, int64_t j) {
+        return j < cached ? cache + (head * slots + j) * dim
+                          : own + (head * fresh + (j - cached)) * dim;
+      };
+      for (int64_t i = 0; i < n; ++i) {
+        key_rows[i] = key_row(kc, kn, live[i]);
+        value_rows[i] = key_row(vc, vn, live[i]);
+      }
+      for (int64_t r0 = 0; r0 < q_rows; r0 += kRows) {
+        const float* qr = hq + r0 * dim;
+        float* sr = scores.data() + r0 * kChunk;
+        switch (std::min<int64_t>(kRows, q_rows - r0)) {
+          case 4: block_scores<4>(qr, dim, key_rows.data(), n, sr, kChunk); break;
+          case 3: block_scores<3>(qr, dim, key_rows.data(), n, sr, kChunk); break;
+          case 2: block_scores<2>(qr, dim, key_rows.data(), n, sr, kChunk); break;
+          default: block_scores<1>(qr, dim, key_rows.data(), n, sr, kChunk); break;
+        }
+      }
+      for (int64_t r = 0; r < q_rows; ++r) {
+        float* s = scores.data() + r * kChunk;
+        const float* m_row = md + (r % rows) * keys;
+        for (int64_t i = 0; i < n; ++i) s[i] += m_row[live[i]];
+        float m = *std::max_element(s, s + n);
+        float total = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          s[i] = m > kBlocked ? std::exp(s[i] - m) : 0.0f;
+          total += s[i];
+        }
+        state.max[r] = m;
+        state.sum[r] = total;
+      }
+      for (int64_t r0 = 0; r0 < q_rows; r0 += kRows) {
+        const float* wr = scores.data() + r0 * kChunk;
+        float* ar = state.acc + r0 * dim;
+        switch (std::min<int64_t>(kRows, q_rows - r0)) {
+          case 4: block_values<4>(wr, kChunk, value_rows.data(), n, dim, ar); break;
+          case 3: block_values<3>(wr, kChunk, value_rows.data(), n, dim, ar); break;
+          case 2: block_values<2>(wr, kChunk, value_rows.data(), n, dim, ar); break;
+          default: block_values<1>(wr, kChunk, value_rows.data(), n, dim, ar); break;
+        }
+      }
+    }
+  };
+  executorch::extension::parallel_for(0, tasks, 1, run);
+
+  for (int64_t head = 0; head < kv_heads; ++head) {
+    for (int64_t r = 0; r < q_rows; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partial(head * chunks + c).max[r]);
+      float* o = od + (head * q_rows + r) * dim;
+      std::fill(o, o + dim, 0.0f);
+      float total = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        Partial state = partial(head * chunks + c);
+        if (state.sum[r] == 0.0f) continue;
+        const float w = std::exp(state.max[r] - m);
+        total += w * state.sum[r];
+        const float* acc = state.acc + r * dim;
+        for (int64_t i = 0; i < dim; ++i) o[i] += w * acc[i];
+      }
+      if (total > 0) {
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace edgemtp
+
+EXECUTORCH_LIBRARY(edgemtp, "cache_attention.out", edgemtp::cache_attention_out);

@@ -1,0 +1,185 @@
+"""edgemtp's ExecuTorch kernel `edgemtp::cache_attention` (runtime/kernels) against attention
+written in numpy over only the keys each row may see, run by ExecuTorch's Python runtime."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from edgemtp.errors import EdgeMTPError
+from edgemtp.export.exportable import BLOCKED, cache_attention
+from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
+from edgemtp.runtime import kernels
+
+
+@dataclass
+class Case:
+    """One call: kv heads, query heads per kv head, mask rows, head dim, cache slots, keys the
+    mask covers (cache slots read + new), new keys (0: none), a sliding window or None."""
+
+    kv_heads: int
+    group: int
+    rows: int
+    dim: int
+    slots: int
+    cached: int  # cache slots the mask covers (a context bucket's, or all)
+    fresh: int
+    window: int | None
+    seed: int
+
+    def inputs(self) -> tuple[tuple[torch.Tensor | None, ...], np.ndarray]:
+        """(op inputs, allowed [rows, keys]). Empty slots, and slots past the mask's width,
+        hold NaN: a kernel that read them would return NaN."""
+        gen = torch.Generator().manual_seed(self.seed)
+        h, d = self.kv_heads, self.dim
+        q = torch.randn(h, self.group * self.rows, d, generator=gen)
+        k = torch.randn(h, self.slots, d, generator=gen)
+        v = torch.randn(h, self.slots, d, generator=gen)
+        # a ring that wrapped: slot s holds position p with p % cached == s, some slots empty
+        end = self.cached + self.cached // 2 if self.window else self.cached // 2
+        slot_pos = torch.full((self.cached,), -1)
+        for p in range(end):
+            slot_pos[p % self.cached] = p
+        row_pos = torch.arange(end, end + self.rows)
+        new_pos = row_pos[-self.fresh :] if self.fresh else torch.zeros(0, dtype=torch.long)
+        keys = torch.cat([slot_pos, new_pos])
+        allowed = (keys[None, :] >= 0) & (keys[None, :] <= row_pos[:, None])
+        if self.window is not None:
+            allowed &= row_pos[:, None] - keys[None, :] < self.window
+        empty = slot_pos < 0
+        k[:, : self.cached][:, empty] = float("nan")
+        v[:, : self.cached][:, empty] = float("nan")
+        k[:, self.cached :] = float("nan")
+        v[:, self.cached :] = float("nan")
+        k_new = torch.randn(h, self.fresh, d, generator=gen) if self.fresh else None
+        v_new = torch.randn(h, self.fresh, d, generator=gen) if self.fresh else None
+        mask = torch.where(allowed, 0.0, BLOCKED)
+        return (q, k, v, k_new, v_new, mask), allowed.numpy()
+
+
+def numpy_attention(inputs: tuple[torch.Tensor | None, ...], allowed: np.ndarray) -> np.ndarray:
+    q, k, v, k_new, v_new, _ = (None if t is None else t.double().numpy() for t in inputs)
+    rows, keys = allowed.shape
+    fresh = 0 if k_new is None else k_new.shape[1]
+    out = np.zeros_like(q)
+    for h in range(q.shape[0]):
+        all_k, all_v = k[h, : keys - fresh], v[h, : keys - fresh]
+        if fresh:
+            all_k, all_v = np.concatenate([all_k, k_new[h]]), np.concatenate([all_v, v_new[h]])
+        for r in range(q.shape[1]):
+            seen = allowed[r % rows]
+            scores = all_k[seen] @ q[h, r]
+            p = np.exp(scores - scores.max())
+            out[h, r] = (p / p.sum()) @ all_v[seen]
+    return out
+
+
+CASES = {
+    # PEER-90M's full layers: one decode row of 4 heads x 256 over a 512 bucket of a longer cache
+    "decode_bucket": Case(1, 4, 1, 256, 600, 512, 1, None, 0),
+    # a verify of 4 rows, two KV heads, a head dim that is not a multiple of the vector width
+    "verify_window": Case(2, 2, 4, 24, 96, 96, 4, 40, 1),
+    # the drafter: no keys of its own, 3 query heads per KV head
+    "draft": Case(1, 3, 1, 16, 64, 64, 0, None, 2),
+    # more keys than one chunk of the kernel (128) in a wrapped ring, 9 query rows (4, 4, 1)
+    "long_ring": Case(1, 3, 3, 32, 700, 700, 3, 300, 3),
+}
+
+
+class Op(nn.Module):
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.edgemtp.cache_attention(*inputs)
+
+
+class OpDrafter(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+        return torch.ops.edgemtp.cache_attention(q, k, v, None, None, mask)
+
+
+def _program(cases: dict[str, Case]) -> bytes:
+    programs = {}
+    for name, case in cases.items():
+        inputs, _ = case.inputs()
+        args = tuple(t for t in inputs if t is not None)
+        module = Op() if case.fresh else OpDrafter()
+        programs[name] = export_method(module, args)
+    manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
+    return manager.to_executorch(backend_config()).buffer
+
+
+@pytest.fixture(scope="module")
+def program() -> bytes:
+    return _program(CASES)
+
+
+def test_kernel_matches_numpy_and_reads_only_attended_slots(program):
+    from executorch.extension.pybindings import portable_lib
+
+    kernels.load()
+    loaded = portable_lib._load_for_executorch_from_buffer(program)
+    for name, case in CASES.items():
+        inputs, allowed = case.inputs()
+        got = loaded.run_method(name, tuple(t for t in inputs if t is not None))[0].numpy()
+        assert np.isfinite(got).all(), f"{name}: read a slot the mask blocks or does not cover"
+        np.testing.assert_allclose(got, numpy_attention(inputs, allowed), atol=2e-5, err_msg=name)
+
+
+def test_eager_op_matches_numpy():
+    """The torch op export traces and the reference engine runs: the same function."""
+    for name, case in CASES.items():
+        inputs, allowed = case.inputs()
+        q, k, v, k_new, v_new, mask = inputs
+        # eager reads every slot up to the mask's width: give empty ones finite values
+        k, v = torch.nan_to_num(k, nan=3.0), torch.nan_to_num(v, nan=-3.0)
+        clean = (q, k, v, k_new, v_new, mask)
+        got = torch.ops.edgemtp.cache_attention(*clean).numpy()
+        np.testing.assert_allclose(got, numpy_attention(clean, allowed), atol=2e-5, err_msg=name)
+        assert torch.equal(torch.ops.edgemtp.cache_attention(*clean), cache_attention(*clean))
+
+
+def test_build_is_cached_by_source_and_compiler(tmp_path):
+    first = kernels.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.parent.name]  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    ("cxx", "message"),
+    [("/nonexistent/c++", "CXX=/nonexistent/c++ was not found"), ("false", "failed")],
+)
+def test_build_without_a_working_compiler_names_the_fix(tmp_path, monkeypatch, cxx, message):
+    monkeypatch.setenv("CXX", cxx)
+    with pytest.raises(EdgeMTPError, match=re.escape(message)) as err:
+        kernels.build(tmp_path / "cache")
+    assert "--attention matmul" in str(err.value)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_program_needing_kernels_without_a_compiler_fails_in_one_line(tmp_path):
+    pte = tmp_path / "model.pte"
+    pte.write_bytes(_program({"draft": CASES["draft"]}))
+    script = textwrap.dedent(
+        f"""
+        from edgemtp.errors import EdgeMTPError
+        from edgemtp.export.driver import ExecuTorchRunner
+        from edgemtp.export.static import StaticShapes
+        try:
+            ExecuTorchRunner({str(pte)!r}, StaticShapes(64, 0, 8))
+        except EdgeMTPError as e:
+            print("ERROR", e)
+        """
+    )
+    env = {**os.environ, "CXX": "/nonexistent/c++", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("ERROR"))
+    assert "edgemtp::cache_attention.out" in line and "--attention matmul" in line
