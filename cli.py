@@ -196,6 +196,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         help="ONNX cpu: what the 4-bit linears multiply; int8 (default, as XNNPACK's 8da4w: "
         "1.3-2x faster decode) or fp32 (the reference engine's numerics)",
     )
+    p.add_argument(
+        "--attention",
+        choices=("kernel", "matmul"),
+        help="ExecuTorch cpu: decode, verify and draft attention as edgemtp's kernel (default: "
+        "reads only the cache slots attended; the runtime compiles it, the apps link it) or "
+        "as XNNPACK batched matmuls over every slot (any stock ExecuTorch runtime)",
+    )
     p.add_argument("--out", required=True, type=Path, help="bundle folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
 
@@ -998,6 +1005,7 @@ def run_export(args: argparse.Namespace) -> int:
         args.out,
         args.force,
         args.activations,
+        args.attention,
     )
     manifest = export(request, progress)
     size = sum(f["bytes"] for f in manifest["files"].values())

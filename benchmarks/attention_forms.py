@@ -14,6 +14,8 @@ in this process, interleaved, medians of `--repeat` rounds:
   dynamic weights, values stored transposed;
 - `custom_sdpa`: ExecuTorch's own `llama::custom_sdpa` (its LLM custom ops, in the wheel), which
   reads only the cache's valid prefix;
+- `kernel`: edgemtp's own ExecuTorch kernel (`runtime/kernels/cache_attention.cpp`, what
+  `--attention kernel` programs call for decode, verify and draft rows);
 - `eager`: the same batched matmuls in eager PyTorch (MKL), as a reference for the hardware.
 
 Every form's output is checked against the eager one. Writes OUT/attention_forms.{json,md,png}.
@@ -64,6 +66,11 @@ class CustomSdpa(nn.Module):
         return out[0]
 
 
+class Kernel(nn.Module):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        return torch.ops.edgemtp.cache_attention(q, k, v, None, None, mask)
+
+
 def eager(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v)
 
@@ -81,6 +88,7 @@ def measure(slots: int, heads: int, head_dim: int, repeat: int) -> dict[str, Any
         "bmm": (Bmm(), (q, k, v, mask)),
         "fc": (CacheAsInput(), (q, k, v.transpose(1, 2).contiguous(), mask)),
         "custom_sdpa": (CustomSdpa(), (q, k, v, last)),
+        "kernel": (Kernel(), (q, k, v, mask)),
     }
     programs = {name: export_method(m, args) for name, (m, args) in inputs.items()}
     manager = lower_programs(programs, lambda: [xnnpack_partitioner()]).to_executorch(
@@ -124,6 +132,9 @@ def main() -> int:
     args = parser.parse_args()
     from executorch.extension.pybindings import portable_lib
 
+    from edgemtp.runtime import kernels
+
+    kernels.load()
     torch.set_num_threads(args.threads)
     portable_lib._unsafe_reset_threadpool(args.threads)
     rows = []

@@ -35,6 +35,7 @@ from typing import Any
 
 from edgemtp.devices.profiles import DelegateProfile, DeviceProfile
 from edgemtp.errors import EdgeMTPError
+from edgemtp.export.exportable import KERNEL_MAX_ROWS
 from edgemtp.export.static import StaticShapes
 from edgemtp.model.config import AssistantConfig, TextConfig
 from edgemtp.model.cost import (
@@ -47,6 +48,7 @@ from edgemtp.model.cost import (
 )
 from edgemtp.runtime.adaptive import expected_committed
 from edgemtp.runtime.bench import acceptance_by_position
+from edgemtp.runtime.kernels import CACHE_ATTENTION
 from edgemtp.runtime.kv_cache import cache_bytes, cache_slots
 
 # Operators per decoder layer an exported XNNPACK program dispatches, when no bundle says (the
@@ -87,15 +89,21 @@ class Model:
     prefill_buckets: bool = True  # prefill methods per context bucket too (older bundles: no)
     moved: dict[str, int] = field(default_factory=dict)  # method -> portable elements copied
     float_flops: dict[str, int] = field(default_factory=dict)  # method -> FLOPs of fp32 linears
+    # decode, verify and draft attention reads only the keys attended (edgemtp's kernel,
+    # `exportable.KernelAttention`), not every slot of the method's cache
+    attended_keys_only: bool = False
 
     @property
     def shapes(self) -> StaticShapes:
         return StaticShapes(self.max_context, self.max_draft, self.chunk, self.buckets)
 
-    def cache_keys(self, end: int | None = None) -> dict[str, int]:
-        """Cache keys per attention kind a method reads for rows ending before `end` (None:
-        a method that reads the whole cache)."""
+    def cache_keys(self, end: int | None = None, rows: int = 1) -> dict[str, int]:
+        """Cache keys per attention kind a method of `rows` rows reads for rows ending before
+        `end` (None: a method that reads the whole cache)."""
         slots = cache_slots(self.target, self.max_context, self.max_draft)
+        if self.attended_keys_only and end is not None and rows <= KERNEL_MAX_ROWS:
+            window = self.target.sliding_window
+            return {k: min(end, window if k == "sliding" else n) for k, n in slots.items()}
         return static_cache_keys(slots, None if end is None else self.shapes.bucket(end))
 
     def prefill(self, final: bool, end: int) -> tuple[str, dict[str, int]]:
@@ -399,7 +407,7 @@ def simulate(
     round_s: dict[int, float] = {}
     for k in depths:
         method, rows = model.verify(k)
-        keys = model.cache_keys(middle + rows)
+        keys = model.cache_keys(middle + rows, rows)
         verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
         counts = _kernel_counts(model, method)
         call = call_terms(verify, unit, dtype, _launches(model, method, layers), *counts)
@@ -523,6 +531,7 @@ def model_from_bundle(bundle: Path) -> Model:
         any(name.startswith("prefill_final_ctx") for name in manifest["methods"]),
         moved,
         float_linear_flops(manifest),
+        CACHE_ATTENTION in manifest["backend_details"].get("kernels", []),
     )
 
 

@@ -392,6 +392,7 @@ class ExportRequest:
     out: Path
     force: bool = False
     activations: str | None = None  # ONNX cpu: "int8" (default) or "fp32"; others: fixed
+    attention: str | None = None  # ExecuTorch cpu: "kernel" (default) or "matmul"
 
 
 def _lowerer(backend: str) -> Callable[..., Lowered]:
@@ -486,6 +487,11 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
             "4-bit kernels take int8 activations, Core ML fp16, the HTP calibrated uint16): "
             "drop it"
         )
+    if req.attention is not None and (req.backend, req.delegate) != ("executorch", "cpu"):
+        raise EdgeMTPError(
+            f"--attention is an ExecuTorch cpu option, not {req.backend}/{req.delegate} (the "
+            "other delegates run attention in their own kernels): drop it"
+        )
     if req.backend == "executorch" and req.delegate == "htp":
         from edgemtp.export.executorch import qnn_sdk
 
@@ -542,6 +548,8 @@ def _write_bundle(
     extra: dict[str, Any] = {}
     if req.backend == "onnx":  # the tables: the htp delegate calibrates activations on them
         extra = {"tables": target.tables, "activations": req.activations or "int8"}
+    elif (req.backend, req.delegate) == ("executorch", "cpu"):
+        extra = {"attention": req.attention or "kernel"}
     lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
     stage = time.perf_counter()
     tables = write_tables(target.tables, tmp, progress)

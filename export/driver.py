@@ -35,6 +35,9 @@ class ExecuTorchRunner:
     """Runs the methods of a .pte with ExecuTorch's Python runtime (XNNPACK and portable
     kernels on this host; a program delegated to Core ML or QNN needs that backend's runtime).
 
+    edgemtp's own kernels (`runtime/kernels`) are built and loaded first; a program that calls
+    them and a machine that cannot build them get one line naming the fix.
+
     XNNPACK's weight cache is switched on before loading, so methods that share a weight
     (every target method shares all of them) share one packed copy: a full-size E2B session
     holds 2.0 GiB instead of 6.9 GiB. `threads`: XNNPACK's thread pool size (None: as is).
@@ -49,6 +52,9 @@ class ExecuTorchRunner:
     ):
         from executorch.runtime import Runtime
 
+        from edgemtp.runtime import kernels
+
+        kernel_problem = kernels.unavailable()
         self.weight_cache = weight_cache and enable_xnnpack_weight_cache()
         runtime = Runtime.get()
         if threads:
@@ -64,6 +70,12 @@ class ExecuTorchRunner:
                 name: self.program.load_method(name) for name in sorted(self.program.method_names)
             }
         except RuntimeError as e:
+            needed = _program_kernels(pte, "edgemtp::")
+            if needed and kernel_problem:
+                raise EdgeMTPError(
+                    f"this program calls edgemtp's kernels ({', '.join(needed)}), which cannot "
+                    f"be loaded here: {kernel_problem}"
+                ) from e
             missing = [
                 b for b in _delegate_backends(pte) if not runtime.backend_registry.is_available(b)
             ]
@@ -114,10 +126,18 @@ def enable_xnnpack_weight_cache() -> bool:
     return set_option(b"XnnpackBackend", ctypes.addressof(option), 1) == 0
 
 
-def _delegate_backends(pte: Path | bytes) -> list[str]:
-    """Backend ids of a program's delegates."""
+def _program(pte: Path | bytes) -> Any:
     from executorch.exir._serialize._program import deserialize_pte_binary
 
-    data = pte if isinstance(pte, bytes) else Path(pte).read_bytes()
-    plans = deserialize_pte_binary(data).program.execution_plan
-    return sorted({d.id for plan in plans for d in plan.delegates})
+    return deserialize_pte_binary(pte if isinstance(pte, bytes) else Path(pte).read_bytes()).program
+
+
+def _delegate_backends(pte: Path | bytes) -> list[str]:
+    """Backend ids of a program's delegates."""
+    return sorted({d.id for plan in _program(pte).execution_plan for d in plan.delegates})
+
+
+def _program_kernels(pte: Path | bytes, namespace: str) -> list[str]:
+    from edgemtp.export.executorch import program_kernels
+
+    return program_kernels(_program(pte), namespace)

@@ -41,7 +41,9 @@ from edgemtp.export.bundle import Lowered, Progress
 from edgemtp.export.exportable import (
     ArithmeticMaskDrafter,
     ArithmeticMaskTarget,
+    ExportAttention,
     ExportRMSNorm,
+    KernelAttention,
     make_exportable,
 )
 from edgemtp.export.lower import (
@@ -352,12 +354,15 @@ def swap_int4(model: nn.Module, make: Callable[[Int4Weight], Int4Linear], role: 
     return stats
 
 
-def xnnpack_forms(model: nn.Module, role: str = "") -> dict[str, Any]:
+def xnnpack_forms(model: nn.Module, role: str = "", attention: str = "kernel") -> dict[str, Any]:
     """Swap `model` (in place) to what the XNNPACK program computes: export forms of norms and
-    attention, the norm mean as a linear, 8da4w linears. On a loaded reference model this makes
-    the reference engine compute the program's numerics in eager PyTorch."""
+    attention (`attention`: "kernel", edgemtp's ExecuTorch kernel for few rows, or "matmul",
+    XNNPACK's batched matmuls), the norm mean as a linear, 8da4w linears. On a loaded reference
+    model this makes the reference engine compute the program's numerics in eager PyTorch."""
     make_exportable(model)
     for path, module in list(model.named_modules()):
+        if type(module) is ExportAttention and attention == "kernel":
+            module.__class__ = KernelAttention
         if type(module) is Gemma4Target:
             module.__class__ = ArithmeticMaskTarget
         elif type(module) is Gemma4Drafter:
@@ -386,12 +391,14 @@ def _bundle_models(static: StaticBundle) -> list[tuple[str, nn.Module]]:
     return models
 
 
-def prepare_xnnpack(static: StaticBundle) -> dict[str, Any]:
+def prepare_xnnpack(static: StaticBundle, attention: str = "kernel") -> dict[str, Any]:
     """Swap the bundle's models (in place) to the forms XNNPACK lowers: 8da4w linears, the
-    int4 clustered head, linear-mean norms. Returns what was converted."""
+    int4 clustered head, linear-mean norms, the attention (`xnnpack_forms`). Returns what was
+    converted."""
+    static.cache.attention_reads_prefix = attention == "kernel"
     total: dict[str, Any] = {}
     for role, model in _bundle_models(static):
-        stats = xnnpack_forms(model, role)
+        stats = xnnpack_forms(model, role, attention)
         for key, value in stats.items():
             if key == "int4":
                 for scheme, n in value.items():
@@ -408,10 +415,16 @@ def prepare_xnnpack(static: StaticBundle) -> dict[str, Any]:
 
 
 def lower_executorch(
-    static: StaticBundle, delegate: str, out_dir: Path, progress: Progress
+    static: StaticBundle,
+    delegate: str,
+    out_dir: Path,
+    progress: Progress,
+    attention: str = "kernel",
 ) -> Lowered:
-    """Lower every method of `static` into `out_dir/model.pte` for `delegate`."""
-    lower = {"cpu": _lower_xnnpack, "htp": _lower_qnn}.get(delegate)
+    """Lower every method of `static` into `out_dir/model.pte` for `delegate` (`attention`:
+    the cpu delegate's, see `xnnpack_forms`)."""
+    cpu = partial(_lower_xnnpack, attention=attention)
+    lower = {"cpu": cpu, "htp": _lower_qnn}.get(delegate)
     if lower is None and delegate in COREML_UNITS:
         lower = partial(_lower_coreml, delegate=delegate)
     if lower is None:
@@ -490,6 +503,18 @@ def program_operators(program: Any) -> dict[str, int]:
     return {name: sum(kinds.values()) for name, kinds in program_operator_kinds(program).items()}
 
 
+def program_kernels(program: Any, namespace: str = "") -> list[str]:
+    """The operators (`ns::name.overload`) whose kernels an ExecuTorch `Program` calls."""
+    return sorted(
+        {
+            f"{op.name}.{op.overload}" if op.overload else op.name
+            for plan in program.execution_plan
+            for op in plan.operators
+            if op.name.startswith(namespace)
+        }
+    )
+
+
 def program_operator_kinds(program: Any) -> dict[str, dict[str, int]]:
     """`program_operators` by kind: method -> {XNNPACK node type ("XNNFullyConnected", ...),
     "portable" (kernel calls), or another delegate's id: count}."""
@@ -537,9 +562,11 @@ def program_operator_kinds(program: Any) -> dict[str, dict[str, int]]:
     return out
 
 
-def _lower_xnnpack(static: StaticBundle, out_dir: Path, progress: Progress) -> Lowered:
+def _lower_xnnpack(
+    static: StaticBundle, out_dir: Path, progress: Progress, attention: str = "kernel"
+) -> Lowered:
     start = time.perf_counter()
-    stats = prepare_xnnpack(static)
+    stats = prepare_xnnpack(static, attention)
     programs = _export_all(static, progress)
     io = method_io(programs)
     t = time.perf_counter()
@@ -577,6 +604,8 @@ def _lower_xnnpack(static: StaticBundle, out_dir: Path, progress: Progress) -> L
         "fused_linears": stats.get("fused_linears", 0),
         "float_linears": stats["float_linears"],
         "full_xnnpack_pipeline": full,  # partition tag -> op that needed every XNNPACK pass
+        # edgemtp's own kernels the program calls (runtime/kernels): a runner must load them
+        "kernels": program_kernels(manager.executorch_program, "edgemtp::"),
     }
     return Lowered(
         files=[PROGRAM],

@@ -12,7 +12,10 @@ the same functions with delegated ops only:
   attention is batched matmuls over KV groups (no K/V repeat), per segment: the cache and the
   new rows are never concatenated. No row is ever fully masked in the static programs (see
   `static.py`), so the additive form equals the boolean one. XNNPACK programs build that
-  additive mask from the positions with float arithmetic (`ArithmeticMaskTarget`).
+  additive mask from the positions with float arithmetic (`ArithmeticMaskTarget`), and run
+  decode, verify and draft rows in edgemtp's own ExecuTorch kernel (`KernelAttention`:
+  `edgemtp::cache_attention`, a torch op here whose eager form is those batched matmuls; its
+  C++ kernel is in `runtime/kernels/`).
 
 Numerics differ from the eager reference only by float rounding.
 """
@@ -131,8 +134,27 @@ class ExportAttention(Attention):
         q = self.q_proj(x).view(t, -1, hd)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(0, 1)  # [heads, T, hd]
         group = q.shape[0] // kvh
-        out = segment_attention(q.reshape(kvh, group * t, hd), ks, vs, mask, group)
+        out = self.attend(q.reshape(kvh, group * t, hd), ks, vs, mask, group)
         return self.o_proj(out.view(kvh * group, t, hd).transpose(0, 1).reshape(t, -1))
+
+    def attend(self, q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
+        return segment_attention(q, ks, vs, mask, group)
+
+
+KERNEL_MAX_ROWS = 8  # more rows (prefill chunks): XNNPACK's batched matmuls are faster
+
+
+class KernelAttention(ExportAttention):
+    """Attention of decode, verify and draft calls as one call of edgemtp's ExecuTorch kernel
+    (`edgemtp::cache_attention`), which reads only the cache slots some row attends to. The
+    cache segment may be the whole buffer: the mask's width says how many of its slots the
+    call reads (a context bucket's), so no slice copies the bucket out of it."""
+
+    def attend(self, q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
+        own = (ks[1], vs[1]) if len(ks) == 2 else (None, None)
+        if mask.shape[0] > KERNEL_MAX_ROWS:
+            return cache_attention(q, ks[0], vs[0], *own, mask)
+        return torch.ops.edgemtp.cache_attention(q, ks[0], vs[0], *own, mask)
 
 
 def segment_attention(q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:

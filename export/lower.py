@@ -337,6 +337,7 @@ def lower_programs(
         )
         gm = edge.exported_program(name).graph_module
         collapse_provenance(gm)
+        writes_after_reads(gm)
         for module in gm.modules():
             specs = getattr(module, "_compile_specs", None)
             if specs:  # the marker did its job in preprocessing; the program need not carry it
@@ -348,6 +349,31 @@ def lower_programs(
             f"({time.perf_counter() - start:.1f}s)"
         )
     return EdgeProgramManager(lowered, compile_config=config)
+
+
+def writes_after_reads(gm: torch.fx.GraphModule) -> int:
+    """Move every cache write (`index_put` on a buffer placeholder) after the last other reader
+    of that buffer. Lowering re-sorts the graph, and a write that does not depend on a read of
+    the old cache (an attention kernel outside the delegates) can land before it; then
+    `run_reinplace_pass` must leave it functional, and every call copies the whole cache twice
+    (the `index_put` into a temporary, the write-back): 1.5 ms of a 4 ms PEER-90M decode step.
+    A write only feeds the buffer's write-back at the graph's end, so moving it later keeps
+    the graph valid. Returns how many writes moved."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    moved = 0
+    for node in list(gm.graph.nodes):
+        target = getattr(node.target, "_op", node.target)
+        if target is not torch.ops.aten.index_put.default or node.args[0].op != "placeholder":
+            continue
+        readers = [user for user in node.args[0].users if user is not node]
+        last = max(readers, key=order.__getitem__, default=None)
+        if last is not None and order[last] > order[node]:
+            last.append(node)
+            moved += 1
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
 
 
 def share_delegated_weights(

@@ -126,7 +126,9 @@ class _View:
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         n = self.length.get(self.cache.cfg.layers[layer].attention)
         k, v = self.cache.k(layer), self.cache.v(layer)
-        return (k, v) if n is None else (k[:, :n], v[:, :n])
+        if n is None or self.cache.attention_reads_prefix:
+            return k, v
+        return k[:, :n], v[:, :n]
 
     def positions(self, kind: AttentionKind) -> Tensor:
         n = self.length.get(kind)
@@ -142,6 +144,9 @@ class StaticCache(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.slots = cache_slots(cfg, max_context, max_draft)
+        # Set when attention reads a bucket's slots off the whole buffer by the mask's width
+        # (`exportable.KernelAttention`): the view then hands out the buffers unsliced.
+        self.attention_reads_prefix = False
         for kind, n in self.slots.items():
             self.register_buffer(f"pos_{kind}", torch.full((n + 1,), -1))
         self.owners = [spec.index for spec in cfg.layers if spec.owns_kv]

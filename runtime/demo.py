@@ -40,9 +40,9 @@ class DemoSettings:
     threads: int = 1
 
 
-def bundle_key(target: Path, drafter: Path, settings: DemoSettings) -> str:
-    """Same weights, shapes and edgemtp version -> same cached bundle."""
-    shape = f"{__version__} {settings.max_context} {settings.depth} {settings.chunk}"
+def bundle_key(target: Path, drafter: Path, settings: DemoSettings, attention: str) -> str:
+    """Same weights, shapes, attention form and edgemtp version -> same cached bundle."""
+    shape = f"{__version__} {settings.max_context} {settings.depth} {settings.chunk} {attention}"
     h = hashlib.sha256(shape.encode())
     for folder in (target, drafter):
         for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
@@ -58,20 +58,29 @@ def ensure_bundle(
     settings: DemoSettings,
     say: Callable[[str], None],
 ) -> Path:
-    """The cached Q4_0 ExecuTorch bundle of the pair, exported first when missing."""
+    """The cached Q4_0 ExecuTorch bundle of the pair, exported first when missing. Its
+    attention runs in edgemtp's kernel where this machine can build it (runtime/kernels), as
+    XNNPACK matmuls otherwise."""
     from edgemtp.export.bundle import MANIFEST, ExportRequest, export
     from edgemtp.export.static import StaticShapes
+    from edgemtp.runtime import kernels
 
     for folder in (target, drafter):
         if not (folder / "config.json").is_file():
             raise EdgeMTPError(f"{folder}: no config.json (the embedded models are missing?)")
-    out = out or CACHE / f"demo-{bundle_key(target, drafter, settings)}" / "bundle"
+    problem = kernels.unavailable()
+    attention = "matmul" if problem else "kernel"
+    if problem:
+        say(f"attention as XNNPACK matmuls, not edgemtp's kernel: {problem}")
+    out = out or CACHE / f"demo-{bundle_key(target, drafter, settings, attention)}" / "bundle"
     if (out / MANIFEST).is_file():
         say(f"bundle: {out} (cached)")
         return out
     say(f"exporting the embedded pair to {out} (Q4_0, ExecuTorch XNNPACK; once, a few minutes)")
     shapes = StaticShapes(settings.max_context, settings.depth, settings.chunk)
-    request = ExportRequest(target, drafter, "q4_0", "executorch", "cpu", shapes, out, False)
+    request = ExportRequest(
+        target, drafter, "q4_0", "executorch", "cpu", shapes, out, attention=attention
+    )
     export(request, say)
     return out
 

@@ -17,9 +17,13 @@ if(NOT executorch_FOUND OR NOT EXECUTORCH_FOUND)
   return()
 endif()
 
+# edgemtp's own ExecuTorch kernels (runtime/kernels: what `--attention kernel` bundles call)
+# register themselves with the runtime when linked in.
+file(GLOB EDGEMTP_KERNELS CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/../../../runtime/kernels/*.cpp)
 add_executable(engine_run ${CMAKE_CURRENT_LIST_DIR}/engine_run.cpp
                           ${CMAKE_CURRENT_LIST_DIR}/engine_cli.cpp
-                          ${CMAKE_CURRENT_LIST_DIR}/executorch_runner.cpp)
+                          ${CMAKE_CURRENT_LIST_DIR}/executorch_runner.cpp
+                          ${EDGEMTP_KERNELS})
 target_link_libraries(engine_run PRIVATE edgemtp_core)
 edgemtp_warnings(engine_run)
 if(TARGET executorch::runtime)  # CMake 3.28+: imported targets carry everything

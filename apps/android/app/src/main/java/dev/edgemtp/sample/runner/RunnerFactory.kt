@@ -29,6 +29,12 @@ object RunnerFactory {
     } + ("edgemtp-android" to BuildConfig.VERSION_NAME)
 
     private fun openExecuTorch(context: Context, bundle: BundleManifest, threads: Int): BundleRunner {
+        if (bundle.kernels.isNotEmpty()) {
+            throw BundleException(
+                "${bundle.name} calls edgemtp's own ExecuTorch kernels (${bundle.kernels.joinToString()}), " +
+                    "which the stock ExecuTorch AAR lacks: export it with --attention matmul",
+            )
+        }
         when (bundle.delegate) {
             "cpu" -> Unit
             "htp" -> {
