@@ -92,6 +92,7 @@ class Model:
     # decode, verify and draft attention reads only the keys attended (edgemtp's kernel,
     # `exportable.KernelAttention`), not every slot of the method's cache
     attended_keys_only: bool = False
+    cache_itemsize: int = 4  # bytes per K/V element the program stores (float16: 2)
 
     @property
     def shapes(self) -> StaticShapes:
@@ -386,7 +387,7 @@ def simulate(
         rows = range(start, min(start + model.chunk, prompt))
         last = rows.stop == prompt
         method, keys = model.prefill(last, rows.stop)
-        work = forward_work(cfg, rows, int(last), int(last), bits, keys)
+        work = forward_work(cfg, rows, int(last), int(last), bits, keys, model.cache_itemsize)
         owned = layers if last else cfg.first_shared_layer
         launches, counts = _launches(model, method, owned), _kernel_counts(model, method)
         host = host_call + (len(rows) - 1) * host_row
@@ -398,7 +399,9 @@ def simulate(
     draft = Terms()
     if model.drafter is not None:
         head = model.full_drafter_head
-        step = draft_work(model.drafter, cfg, middle, bits, model.cache_keys(middle), head)
+        step = draft_work(
+            model.drafter, cfg, middle, bits, model.cache_keys(middle), head, model.cache_itemsize
+        )
         n = model.drafter.text.num_layers
         launches, counts = _launches(model, "draft_step", n), _kernel_counts(model, "draft_step")
         draft = call_terms(step, unit, dtype, launches, *counts)
@@ -408,7 +411,9 @@ def simulate(
     for k in depths:
         method, rows = model.verify(k)
         keys = model.cache_keys(middle + rows, rows)
-        verify = forward_work(cfg, range(middle, middle + rows), rows, rows, bits, keys)
+        verify = forward_work(
+            cfg, range(middle, middle + rows), rows, rows, bits, keys, model.cache_itemsize
+        )
         counts = _kernel_counts(model, method)
         call = call_terms(verify, unit, dtype, _launches(model, method, layers), *counts)
         terms[f"verify_{k}"] = call + _host(host_call + k * host_row + (k + 1) * choose)
@@ -421,7 +426,7 @@ def simulate(
     battery = None
     if device.battery_wh:
         battery = 1000 * joules / (device.battery_wh * 3600) * 100
-    cache = cache_bytes(cfg, model.max_context, max(depths))
+    cache = cache_bytes(cfg, model.max_context, max(depths), model.cache_itemsize)
     peak_mb = (model.program_bytes + cache) / 2**20 + RUNTIME_OVERHEAD_MB
     return Prediction(
         prefill_tok_s=prompt / prefill_s,
@@ -532,6 +537,7 @@ def model_from_bundle(bundle: Path) -> Model:
         moved,
         float_linear_flops(manifest),
         CACHE_ATTENTION in manifest["backend_details"].get("kernels", []),
+        2 if any(b["dtype"] == "float16" for b in manifest["cache"]["buffers"]) else 4,
     )
 
 

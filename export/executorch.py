@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.bundle import Lowered, Progress
 from edgemtp.export.exportable import (
+    KERNEL_CACHE_DTYPE,
     ArithmeticMaskDrafter,
     ArithmeticMaskTarget,
     ExportAttention,
@@ -360,6 +361,8 @@ def xnnpack_forms(model: nn.Module, role: str = "", attention: str = "kernel") -
     XNNPACK's batched matmuls), the norm mean as a linear, 8da4w linears. On a loaded reference
     model this makes the reference engine compute the program's numerics in eager PyTorch."""
     make_exportable(model)
+    if attention == "kernel":  # what the kernel reads: a reference engine keeps its cache so too
+        model.kv_cache_dtype = KERNEL_CACHE_DTYPE
     for path, module in list(model.named_modules()):
         if type(module) is ExportAttention and attention == "kernel":
             module.__class__ = KernelAttention
@@ -395,7 +398,11 @@ def prepare_xnnpack(static: StaticBundle, attention: str = "kernel") -> dict[str
     """Swap the bundle's models (in place) to the forms XNNPACK lowers: 8da4w linears, the
     int4 clustered head, linear-mean norms, the attention (`xnnpack_forms`). Returns what was
     converted."""
-    static.cache.attention_reads_prefix = attention == "kernel"
+    if attention == "kernel":
+        # The kernel reads a bucket's slots off the whole buffers, in float16: half the bytes
+        # of every attended key (the prefill chunks' matmuls widen the slots they read).
+        static.cache.attention_reads_prefix = True
+        static.cache.use_dtype(KERNEL_CACHE_DTYPE)
     total: dict[str, Any] = {}
     for role, model in _bundle_models(static):
         stats = xnnpack_forms(model, role, attention)
@@ -408,6 +415,7 @@ def prepare_xnnpack(static: StaticBundle, attention: str = "kernel") -> dict[str
             else:
                 total[key] = total.get(key, type(value)()) + value
     total.setdefault("int4", {})
+    total["attention"] = attention
     return total
 
 
@@ -661,6 +669,12 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
         out["weights"] = "fp32 (as loaded)"
         out["activations"] = "fp32"
         out["accumulation"] = "fp32"
+    if stats.get("attention") == "kernel":
+        out["kv_cache"] = (
+            "float16 K/V; decode, verify and draft attention in edgemtp's kernel (fp32 math, "
+            "a call's own new keys rounded to float16 as they will be stored), prefill chunks "
+            "in XNNPACK's fp32 batched matmuls over the widened slots"
+        )
     if stats["head"]:
         out["drafter_head"] = f"clustered head: {stats['head']}"
     out["norms"] = "RMSNorm mean of squares as a 1-output fp32 linear (weights 1/d, bias eps)"

@@ -142,6 +142,7 @@ class ExportAttention(Attention):
 
 
 KERNEL_MAX_ROWS = 8  # more rows (prefill chunks): XNNPACK's batched matmuls are faster
+KERNEL_CACHE_DTYPE = torch.float16  # K/V as programs with the kernel store them
 
 
 class KernelAttention(ExportAttention):
@@ -193,12 +194,18 @@ def cache_attention(
     mask: Tensor,
 ) -> Tensor:
     """What `edgemtp::cache_attention` computes (runtime/kernels/cache_attention.cpp): q
-    [kv_heads, group * rows, head_dim] over the first `keys - new` cache slots, then the new
-    keys, `mask` [rows, keys] additive."""
+    [kv_heads, group * rows, head_dim] over the first `keys - new` cache slots (float32 or
+    float16), then the new keys, `mask` [rows, keys] additive."""
     fresh = 0 if k_new is None else k_new.shape[1]
     cached = mask.shape[1] - fresh
     if cached < k_cache.shape[1]:  # (a slice is a copy in XNNPACK: none where it is all)
         k_cache, v_cache = k_cache[:, :cached], v_cache[:, :cached]
+    stored = k_cache.dtype
+    if stored != q.dtype:  # a float16 cache: widened to the activations' dtype, and the call's
+        # own keys rounded as they will be stored (a verify row sees what later steps read)
+        k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
+        if k_new is not None and v_new is not None:
+            k_new, v_new = k_new.to(stored).to(q.dtype), v_new.to(stored).to(q.dtype)
     ks = (k_cache,) + (() if k_new is None else (k_new,))
     vs = (v_cache,) + (() if v_new is None else (v_new,))
     return segment_attention(q, ks, vs, mask, q.shape[1] // mask.shape[0])

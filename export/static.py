@@ -156,6 +156,12 @@ class StaticCache(nn.Module):
             self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype))
             self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype))
 
+    def use_dtype(self, dtype: torch.dtype) -> None:
+        """Store K/V in `dtype` (new rows are converted as they are written)."""
+        for i in self.owners:
+            for name in (f"k{i}", f"v{i}"):
+                self.register_buffer(name, getattr(self, name).to(dtype))
+
     def k(self, layer: int) -> Tensor:
         return getattr(self, f"k{layer}")
 
@@ -208,8 +214,8 @@ class StaticCache(nn.Module):
             )
         for i, (k, v) in new_kv.items():
             idx = slot[self.cfg.layers[i].attention]
-            self.k(i).index_copy_(1, idx, k)
-            self.v(i).index_copy_(1, idx, v)
+            self.k(i).index_copy_(1, idx, k.to(self.k(i).dtype))
+            self.v(i).index_copy_(1, idx, v.to(self.v(i).dtype))
 
     def reset(self) -> None:
         """Empty the cache (eager only; a program reset is a prefill at position 0)."""

@@ -40,6 +40,12 @@ def cache_bytes(cfg: TextConfig, max_context: int, max_draft: int, itemsize: int
     )
 
 
+def model_cache_dtype(model: torch.nn.Module) -> torch.dtype:
+    """What a model's K/V are kept in: float32, or what a program stores when the model is
+    swapped to its forms (`kv_cache_dtype`, set by `export.executorch.xnnpack_forms`)."""
+    return getattr(model, "kv_cache_dtype", torch.float32)
+
+
 class KVCache:
     def __init__(
         self,
@@ -94,8 +100,8 @@ class KVCache:
             size = self.slots[self.cfg.layers[layer].attention]
             keep = min(n, size)
             slots = torch.arange(start + n - keep, start + n) % size
-            self.k[layer][:, slots] = k[:, n - keep :]
-            self.v[layer][:, slots] = v[:, n - keep :]
+            self.k[layer][:, slots] = k[:, n - keep :].to(self.k[layer].dtype)
+            self.v[layer][:, slots] = v[:, n - keep :].to(self.v[layer].dtype)
         self.length = start + n
 
     def truncate(self, length: int) -> None:

@@ -35,6 +35,7 @@ class Case:
     fresh: int
     window: int | None
     seed: int
+    half: bool = False  # a float16 cache
 
     def inputs(self) -> tuple[tuple[torch.Tensor | None, ...], np.ndarray]:
         """(op inputs, allowed [rows, keys]). Empty slots, and slots past the mask's width,
@@ -62,12 +63,19 @@ class Case:
         v[:, self.cached :] = float("nan")
         k_new = torch.randn(h, self.fresh, d, generator=gen) if self.fresh else None
         v_new = torch.randn(h, self.fresh, d, generator=gen) if self.fresh else None
+        if self.half:
+            k, v = k.half(), v.half()
         mask = torch.where(allowed, 0.0, BLOCKED)
         return (q, k, v, k_new, v_new, mask), allowed.numpy()
 
 
 def numpy_attention(inputs: tuple[torch.Tensor | None, ...], allowed: np.ndarray) -> np.ndarray:
-    q, k, v, k_new, v_new, _ = (None if t is None else t.double().numpy() for t in inputs)
+    """With a float16 cache the call's own keys count as float16 too (as they will be stored)."""
+    stored = inputs[1].dtype
+    q, k, v, k_new, v_new, _ = (
+        None if t is None else t.to(stored if i in (3, 4) else t.dtype).double().numpy()
+        for i, t in enumerate(inputs)
+    )
     rows, keys = allowed.shape
     fresh = 0 if k_new is None else k_new.shape[1]
     out = np.zeros_like(q)
@@ -92,6 +100,9 @@ CASES = {
     "draft": Case(1, 3, 1, 16, 64, 64, 0, None, 2),
     # more keys than one chunk of the kernel (128) in a wrapped ring, 9 query rows (4, 4, 1)
     "long_ring": Case(1, 3, 3, 32, 700, 700, 3, 300, 3),
+    # float16 caches: a verify over a bucket, and the drafter with a head dim off the vector width
+    "verify_half": Case(1, 4, 4, 256, 300, 260, 4, None, 4, half=True),
+    "draft_half": Case(2, 2, 1, 40, 200, 200, 0, 64, 5, half=True),
 }
 
 
@@ -139,7 +150,7 @@ def test_eager_op_matches_numpy():
         inputs, allowed = case.inputs()
         q, k, v, k_new, v_new, mask = inputs
         # eager reads every slot up to the mask's width: give empty ones finite values
-        k, v = torch.nan_to_num(k, nan=3.0), torch.nan_to_num(v, nan=-3.0)
+        k, v = torch.nan_to_num(k, nan=3.0), torch.nan_to_num(v, nan=-3.0)  # (keeps the dtype)
         clean = (q, k, v, k_new, v_new, mask)
         got = torch.ops.edgemtp.cache_attention(*clean).numpy()
         np.testing.assert_allclose(got, numpy_attention(clean, allowed), atol=2e-5, err_msg=name)

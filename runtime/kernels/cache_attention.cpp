@@ -9,12 +9,14 @@
 // rows of a KV group. Keys are split into chunks run on ExecuTorch's threadpool; each chunk keeps
 // its own softmax max and sum, merged at the end (flash-decoding).
 //
-// Shapes (contiguous float32):
+// Shapes (contiguous; float32 but for the cache, float32 or float16):
 //   q        [kv_heads, group * rows, head_dim]  query row g * rows + t belongs to mask row t
 //   k_cache  [kv_heads, slots, head_dim]         slots may exceed what the mask reads
-//   v_cache  [kv_heads, slots, head_dim]
-//   k_new    [kv_heads, fresh, head_dim] or none  the call's own keys, after the cache's
-//   v_new    [kv_heads, fresh, head_dim] or none
+//   v_cache  [kv_heads, slots, head_dim]         float16: half the bytes read, widened on load
+//   k_new    [kv_heads, fresh, head_dim] or none  the call's own keys, after the cache's (with
+//   v_new    [kv_heads, fresh, head_dim] or none  a float16 cache, rounded to float16 as they
+//                                                will be stored: a verify row then sees the
+//                                                keys a later decode step reads from the cache)
 //   mask     [rows, keys]                        additive: 0 attends, <= -1e29 blocked; the
 //                                                cache's first keys - fresh slots are read
 //   out      [kv_heads, group * rows, head_dim]
@@ -26,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
@@ -56,11 +59,18 @@ constexpr int kLanes = 8;
 constexpr int kLanes = 4;
 #endif
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using HalfVec = _Float16 __attribute__((vector_size(kLanes * sizeof(_Float16))));
 
 inline Vec load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+inline Vec load(const _Float16* p) {  // F16C's vcvtph2ps on x86, fcvtl on NEON
+  HalfVec h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, Vec);
 }
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
@@ -72,19 +82,19 @@ inline float lane_sum(Vec v) {
 }
 
 // scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time.
-template <int R>
-void block_scores(const float* q, int64_t dim, const float* const* keys, int64_t n, float* scores,
+template <int R, typename T>
+void block_scores(const float* q, int64_t dim, const T* const* keys, int64_t n, float* scores,
                   int64_t stride) {
   const int64_t body = dim - dim % kLanes;
-  auto tail = [&](int r, const float* k) {
+  auto tail = [&](int r, const T* k) {
     float sum = 0;
-    for (int64_t d = body; d < dim; ++d) sum += q[r * dim + d] * k[d];
+    for (int64_t d = body; d < dim; ++d) sum += q[r * dim + d] * static_cast<float>(k[d]);
     return sum;
   };
   int64_t i = 0;
   for (; i + 2 <= n; i += 2) {
-    const float* k0 = keys[i];
-    const float* k1 = keys[i + 1];
+    const T* k0 = keys[i];
+    const T* k1 = keys[i + 1];
     Vec a0[R] = {}, a1[R] = {};
     for (int64_t d = 0; d < body; d += kLanes) {
       const Vec x0 = load(k0 + d), x1 = load(k1 + d);
@@ -109,23 +119,22 @@ void block_scores(const float* q, int64_t dim, const float* const* keys, int64_t
   }
 }
 
-// out[r * dim + d] = sum over i of weights[r * stride + i] * values[i][d], for R rows, two
+// out[r * dim + d] (+)= sum over i of weights[r * stride + i] * values[i][d], for R rows, two
 // vectors of columns at a time, over blocks of keys whose value rows stay in L1.
 constexpr int64_t kKeyBlock = 32;
 
-template <int R>
-void block_values(const float* weights, int64_t stride, const float* const* values, int64_t n,
-                  int64_t dim, float* out) {
+template <int R, typename T>
+void block_values(const float* weights, int64_t stride, const T* const* values, int64_t n,
+                  int64_t dim, float* out, bool accumulate) {
+  if (!accumulate) std::fill(out, out + R * dim, 0.0f);
   for (int64_t first = 0; first < n; first += kKeyBlock) {
     const int64_t last = std::min(n, first + kKeyBlock);
     int64_t d = 0;
     for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
-      Vec a0[R] = {}, a1[R] = {};
-      if (first > 0) {
-        for (int r = 0; r < R; ++r) {
-          a0[r] = load(out + r * dim + d);
-          a1[r] = load(out + r * dim + d + kLanes);
-        }
+      Vec a0[R], a1[R];
+      for (int r = 0; r < R; ++r) {
+        a0[r] = load(out + r * dim + d);
+        a1[r] = load(out + r * dim + d + kLanes);
       }
       for (int64_t i = first; i < last; ++i) {
         const Vec v0 = load(values[i] + d), v1 = load(values[i] + d + kLanes);
@@ -142,10 +151,25 @@ void block_values(const float* weights, int64_t stride, const float* const* valu
     }
     for (; d < dim; ++d) {
       for (int r = 0; r < R; ++r) {
-        float sum = first > 0 ? out[r * dim + d] : 0.0f;
-        for (int64_t i = first; i < last; ++i) sum += weights[r * stride + i] * values[i][d];
+        float sum = out[r * dim + d];
+        for (int64_t i = first; i < last; ++i) {
+          sum += weights[r * stride + i] * static_cast<float>(values[i][d]);
+        }
         out[r * dim + d] = sum;
       }
+    }
+  }
+}
+
+// fn(R, r0) for the query rows in blocks of kRows (R a compile-time constant), the rest last.
+template <typename Fn>
+void by_row_blocks(int64_t q_rows, Fn&& fn) {
+  for (int64_t r0 = 0; r0 < q_rows; r0 += kRows) {
+    switch (std::min<int64_t>(kRows, q_rows - r0)) {
+      case 4: fn(std::integral_constant<int, 4>{}, r0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, r0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, r0); break;
+      default: fn(std::integral_constant<int, 1>{}, r0); break;
     }
   }
 }
@@ -155,6 +179,116 @@ struct Partial {  // one chunk's softmax state per query row: max, sum, unnormal
   float* sum;
   float* acc;
 };
+
+// One call's inputs, the cache's element type T (float or _Float16); the call's own keys in T.
+template <typename T>
+struct Call {
+  const float* q;
+  const T* k_cache;
+  const T* v_cache;
+  const T* k_new;
+  const T* v_new;
+  const float* mask;
+  int64_t q_rows, dim, rows, keys, cached, fresh, slots, chunks;
+
+  // The softmax state of one task's keys (a chunk of one KV head) for every query row.
+  void chunk(int64_t task, Partial state) const {
+    const int64_t head = task / chunks, first = (task % chunks) * kChunk;
+    const int64_t last = std::min(keys, first + kChunk);
+    std::fill(state.max, state.max + q_rows, -std::numeric_limits<float>::infinity());
+    std::fill(state.sum, state.sum + q_rows, 0.0f);
+    int64_t live[kChunk];
+    int64_t n = 0;
+    for (int64_t j = first; j < last; ++j) {
+      bool open = false;
+      for (int64_t t = 0; t < rows && !open; ++t) open = mask[t * keys + j] > kBlocked;
+      if (open) live[n++] = j;
+    }
+    // the cache's keys, then the call's own: live is ascending and they come last
+    const T* cache_k[kChunk];
+    const T* cache_v[kChunk];
+    const T* own_k[kChunk];
+    const T* own_v[kChunk];
+    int64_t from_cache = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = live[i];
+      if (j < cached) {
+        cache_k[from_cache] = k_cache + (head * slots + j) * dim;
+        cache_v[from_cache++] = v_cache + (head * slots + j) * dim;
+      } else {
+        own_k[i - from_cache] = k_new + (head * fresh + (j - cached)) * dim;
+        own_v[i - from_cache] = v_new + (head * fresh + (j - cached)) * dim;
+      }
+    }
+    const int64_t own = n - from_cache;
+    std::vector<float> scores(static_cast<size_t>(q_rows * kChunk));
+    const float* hq = q + head * q_rows * dim;
+    by_row_blocks(q_rows, [&](auto block, int64_t r0) {
+      constexpr int R = decltype(block)::value;
+      float* sr = scores.data() + r0 * kChunk;
+      block_scores<R>(hq + r0 * dim, dim, cache_k, from_cache, sr, kChunk);
+      block_scores<R>(hq + r0 * dim, dim, own_k, own, sr + from_cache, kChunk);
+    });
+    for (int64_t r = 0; r < q_rows; ++r) {
+      float* s = scores.data() + r * kChunk;
+      const float* m_row = mask + (r % rows) * keys;
+      for (int64_t i = 0; i < n; ++i) s[i] += m_row[live[i]];
+      const float m = n ? *std::max_element(s, s + n) : -std::numeric_limits<float>::infinity();
+      float total = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        s[i] = m > kBlocked ? std::exp(s[i] - m) : 0.0f;
+        total += s[i];
+      }
+      state.max[r] = m;
+      state.sum[r] = total;
+    }
+    by_row_blocks(q_rows, [&](auto block, int64_t r0) {
+      constexpr int R = decltype(block)::value;
+      const float* wr = scores.data() + r0 * kChunk;
+      float* ar = state.acc + r0 * dim;
+      block_values<R>(wr, kChunk, cache_v, from_cache, dim, ar, false);
+      block_values<R>(wr + from_cache, kChunk, own_v, own, dim, ar, true);
+    });
+  }
+};
+
+template <typename T>
+void attend(const Call<T>& call, int64_t kv_heads, float* out) {
+  const int64_t q_rows = call.q_rows, dim = call.dim, chunks = call.chunks;
+  const int64_t tasks = kv_heads * chunks;
+  const int64_t stride = q_rows * (dim + 2);  // one Partial's floats
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < tasks * stride) scratch.resize(tasks * stride);
+  float* base = scratch.data();
+  auto partial = [&](int64_t task) {
+    float* p = base + task * stride;
+    return Partial{p, p + q_rows, p + 2 * q_rows};
+  };
+  executorch::extension::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) call.chunk(task, partial(task));
+  });
+  for (int64_t head = 0; head < kv_heads; ++head) {  // merge the chunks' softmaxes
+    for (int64_t r = 0; r < q_rows; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partial(head * chunks + c).max[r]);
+      float* o = out + (head * q_rows + r) * dim;
+      std::fill(o, o + dim, 0.0f);
+      float total = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        Partial state = partial(head * chunks + c);
+        if (state.sum[r] == 0.0f) continue;
+        const float w = std::exp(state.max[r] - m);
+        total += w * state.sum[r];
+        const float* acc = state.acc + r * dim;
+        for (int64_t i = 0; i < dim; ++i) o[i] += w * acc[i];
+      }
+      if (total > 0) {
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
+      }
+    }
+  }
+}
 
 }  // namespace
 
@@ -166,11 +300,11 @@ Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Te
   ET_KERNEL_CHECK(ctx, k_new.has_value() == v_new.has_value() && mask.dim() == 2, InvalidArgument,
                   out);
   const int64_t fresh = k_new.has_value() ? k_new->size(1) : 0;
+  const ScalarType cache_type = k_cache.scalar_type();
   ET_KERNEL_CHECK(ctx,
-                  q.scalar_type() == ScalarType::Float &&
-                      k_cache.scalar_type() == ScalarType::Float &&
-                      v_cache.scalar_type() == ScalarType::Float &&
-                      mask.scalar_type() == ScalarType::Float,
+                  q.scalar_type() == ScalarType::Float && mask.scalar_type() == ScalarType::Float &&
+                      (cache_type == ScalarType::Float || cache_type == ScalarType::Half) &&
+                      v_cache.scalar_type() == cache_type,
                   InvalidArgument, out);
   const int64_t kv_heads = q.size(0), q_rows = q.size(1), dim = q.size(2);
   const int64_t rows = mask.size(0), keys = mask.size(1), cached = keys - fresh;
@@ -194,111 +328,30 @@ Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Te
                            executorch::runtime::Error::Ok,
                   InvalidArgument, out);
 
-  const float* qd = q.const_data_ptr<float>();
-  const float* kc = k_cache.const_data_ptr<float>();
-  const float* vc = v_cache.const_data_ptr<float>();
   const float* kn = fresh ? k_new->const_data_ptr<float>() : nullptr;
   const float* vn = fresh ? v_new->const_data_ptr<float>() : nullptr;
-  const float* md = mask.const_data_ptr<float>();
-  float* od = out.mutable_data_ptr<float>();
-
   const int64_t chunks = (keys + kChunk - 1) / kChunk;
-  const int64_t tasks = kv_heads * chunks;
-  const int64_t stride = q_rows * (dim + 2);  // one Partial's floats
-  thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < tasks * stride) scratch.resize(tasks * stride);
-  float* base = scratch.data();
-  auto partial = [&](int64_t task) {
-    float* p = base + task * stride;
-    return Partial{p, p + q_rows, p + 2 * q_rows};
+  float* od = out.mutable_data_ptr<float>();
+  auto run = [&](auto* k, auto* v, auto* own_k, auto* own_v) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
+    const Call<T> call{q.const_data_ptr<float>(), k, v, own_k, own_v, mask.const_data_ptr<float>(),
+                       q_rows, dim, rows, keys, cached, fresh, slots, chunks};
+    attend(call, kv_heads, od);
   };
-
-  auto run = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(q_rows * kChunk));
-    std::vector<int64_t> live(kChunk);
-    std::vector<const float*> key_rows(kChunk), value_rows(kChunk);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / chunks, first = (task % chunks) * kChunk;
-      const int64_t last = std::min(keys, first + kChunk);
-      Partial state = partial(task);
-      std::fill(state.max, state.max + q_rows, -std::numeric_limits<float>::infinity());
-      std::fill(state.sum, state.sum + q_rows, 0.0f);
-      int64_t n = 0;
-      for (int64_t j = first; j < last; ++j) {
-        bool open = false;
-        for (int64_t t = 0; t < rows && !open; ++t) open = md[t * keys + j] > kBlocked;
-        if (open) live[n++] = j;
-      }
-      if (n == 0) {
-        std::fill(state.acc, state.acc + q_rows * dim, 0.0f);
-        continue;
-      }
-      const float* hq = qd + head * q_rows * dim;
-      auto key_row = [&](const float* cache, const float* own, int64_t j) {
-        return j < cached ? cache + (head * slots + j) * dim
-                          : own + (head * fresh + (j - cached)) * dim;
-      };
-      for (int64_t i = 0; i < n; ++i) {
-        key_rows[i] = key_row(kc, kn, live[i]);
-        value_rows[i] = key_row(vc, vn, live[i]);
-      }
-      for (int64_t r0 = 0; r0 < q_rows; r0 += kRows) {
-        const float* qr = hq + r0 * dim;
-        float* sr = scores.data() + r0 * kChunk;
-        switch (std::min<int64_t>(kRows, q_rows - r0)) {
-          case 4: block_scores<4>(qr, dim, key_rows.data(), n, sr, kChunk); break;
-          case 3: block_scores<3>(qr, dim, key_rows.data(), n, sr, kChunk); break;
-          case 2: block_scores<2>(qr, dim, key_rows.data(), n, sr, kChunk); break;
-          default: block_scores<1>(qr, dim, key_rows.data(), n, sr, kChunk); break;
-        }
-      }
-      for (int64_t r = 0; r < q_rows; ++r) {
-        float* s = scores.data() + r * kChunk;
-        const float* m_row = md + (r % rows) * keys;
-        for (int64_t i = 0; i < n; ++i) s[i] += m_row[live[i]];
-        float m = *std::max_element(s, s + n);
-        float total = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          s[i] = m > kBlocked ? std::exp(s[i] - m) : 0.0f;
-          total += s[i];
-        }
-        state.max[r] = m;
-        state.sum[r] = total;
-      }
-      for (int64_t r0 = 0; r0 < q_rows; r0 += kRows) {
-        const float* wr = scores.data() + r0 * kChunk;
-        float* ar = state.acc + r0 * dim;
-        switch (std::min<int64_t>(kRows, q_rows - r0)) {
-          case 4: block_values<4>(wr, kChunk, value_rows.data(), n, dim, ar); break;
-          case 3: block_values<3>(wr, kChunk, value_rows.data(), n, dim, ar); break;
-          case 2: block_values<2>(wr, kChunk, value_rows.data(), n, dim, ar); break;
-          default: block_values<1>(wr, kChunk, value_rows.data(), n, dim, ar); break;
-        }
-      }
+  if (cache_type == ScalarType::Half) {
+    using executorch::aten::Half;  // IEEE binary16 storage, as _Float16
+    const int64_t n = kv_heads * fresh * dim;
+    thread_local std::vector<_Float16> rounded;
+    rounded.resize(static_cast<size_t>(2 * n));
+    for (int64_t i = 0; i < n; ++i) {
+      rounded[i] = static_cast<_Float16>(kn[i]);
+      rounded[n + i] = static_cast<_Float16>(vn[i]);
     }
-  };
-  executorch::extension::parallel_for(0, tasks, 1, run);
-
-  for (int64_t head = 0; head < kv_heads; ++head) {
-    for (int64_t r = 0; r < q_rows; ++r) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partial(head * chunks + c).max[r]);
-      float* o = od + (head * q_rows + r) * dim;
-      std::fill(o, o + dim, 0.0f);
-      float total = 0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        Partial state = partial(head * chunks + c);
-        if (state.sum[r] == 0.0f) continue;
-        const float w = std::exp(state.max[r] - m);
-        total += w * state.sum[r];
-        const float* acc = state.acc + r * dim;
-        for (int64_t i = 0; i < dim; ++i) o[i] += w * acc[i];
-      }
-      if (total > 0) {
-        const float inv = 1.0f / total;
-        for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
-      }
-    }
+    run(reinterpret_cast<const _Float16*>(k_cache.const_data_ptr<Half>()),
+        reinterpret_cast<const _Float16*>(v_cache.const_data_ptr<Half>()), rounded.data(),
+        rounded.data() + n);
+  } else {
+    run(k_cache.const_data_ptr<float>(), v_cache.const_data_ptr<float>(), kn, vn);
   }
   return out;
 }
