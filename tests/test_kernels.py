@@ -164,6 +164,16 @@ def test_build_is_cached_by_source_and_compiler(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.parent.name]  # nothing half-written
 
 
+def test_each_executorch_installation_gets_its_own_build(monkeypatch, tmp_path):
+    """The library links to one installation's libexecutorch.so: a second venv sharing the
+    build cache must not load it (two kernel registries in one process abort)."""
+    cxx = kernels.compiler()
+    assert cxx is not None
+    here = kernels._build_key(cxx)
+    monkeypatch.setattr(kernels, "executorch_root", lambda: tmp_path / "other-venv" / "executorch")
+    assert kernels._build_key(cxx) != here
+
+
 @pytest.mark.parametrize(
     ("cxx", "message"),
     [("/nonexistent/c++", "CXX=/nonexistent/c++ was not found"), ("false", "failed")],

@@ -4,7 +4,7 @@
 static KV cache that reads only the slots the mask lets some row attend to (see the file).
 ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
 library linked to that same file registers its kernels there when it is loaded. So `load()`
-compiles the sources once per source, compiler and ExecuTorch version into
+compiles the sources once per source, compiler and ExecuTorch installation into
 `~/.cache/edgemtp/kernels/<hash>/` (written to a temporary folder, then renamed) and loads the
 result; a program that calls `edgemtp::` operators loads only after that. The apps' C++ core
 compiles the same sources into its runner (apps/core/tests/executorch.cmake).
@@ -59,9 +59,13 @@ def compiler() -> str | None:
 
 
 def _build_key(cxx: str) -> str:
+    """Sources, compiler, flags and the very ExecuTorch installation: the library links to
+    that one's libexecutorch.so, and loading it beside another copy (a second venv sharing
+    this cache) would give the process two kernel registries, and abort."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in (version, metadata.version("executorch"), " ".join(FLAGS)):
+    root = str(executorch_root().resolve())
+    for part in (version, metadata.version("executorch"), root, " ".join(FLAGS)):
         digest.update(part.encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
