@@ -121,8 +121,10 @@ def load() -> Path:
     return library
 
 
+@cache
 def unavailable() -> str | None:
-    """Why the kernels cannot be built here, or None when they can."""
+    """Why the kernels cannot be built here, or None when they can (asked once per process:
+    every runner asks, and a failing compiler would otherwise run again for each)."""
     try:
         load()
     except (EdgeMTPError, OSError) as e:

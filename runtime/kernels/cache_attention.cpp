@@ -221,7 +221,8 @@ struct Call {
       }
     }
     const int64_t own = n - from_cache;
-    std::vector<float> scores(static_cast<size_t>(q_rows * kChunk));
+    thread_local std::vector<float> scores;  // per worker thread, reused across calls
+    scores.resize(static_cast<size_t>(q_rows * kChunk));
     const float* hq = q + head * q_rows * dim;
     by_row_blocks(q_rows, [&](auto block, int64_t r0) {
       constexpr int R = decltype(block)::value;
