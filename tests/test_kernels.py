@@ -204,3 +204,39 @@ def test_program_needing_kernels_without_a_compiler_fails_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     line = next(x for x in done.stdout.splitlines() if x.startswith("ERROR"))
     assert "edgemtp::cache_attention.out" in line and "--attention matmul" in line
+
+
+@pytest.mark.skipif(
+    kernels.platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 vector targets"
+)
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])  # AVX2 + F16C (8 lanes); SSE2 (4)
+def test_kernel_built_for_narrower_vectors_matches_numpy(program, tmp_path, arch):
+    """The kernel's other vector paths (8 lanes with F16C widening, 4 lanes with the generic
+    widening and lane sums), as a machine without AVX-512 builds it: each in its own process,
+    since a second library registering the same kernel in this one would abort."""
+    flags = tuple(f"-march={arch}" if f.startswith("-march") else f for f in kernels.FLAGS)
+    library = kernels.build(tmp_path / "cache", tuple(f for f in flags if "vector-width" not in f))
+    (tmp_path / "model.pte").write_bytes(program)
+    torch.save({n: c.inputs()[0] for n, c in CASES.items()}, tmp_path / "inputs.pt")
+    script = textwrap.dedent(
+        f"""
+        import ctypes, torch
+        from executorch.extension.pybindings import portable_lib
+        ctypes.CDLL({str(library)!r}, mode=ctypes.RTLD_GLOBAL)
+        loaded = portable_lib._load_for_executorch({str(tmp_path / "model.pte")!r})
+        cases = torch.load({str(tmp_path / "inputs.pt")!r})
+        out = {{n: loaded.run_method(n, tuple(t for t in x if t is not None))[0]
+               for n, x in cases.items()}}
+        torch.save(out, {str(tmp_path / "out.pt")!r})
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outputs = torch.load(tmp_path / "out.pt")
+    for name, case in CASES.items():
+        inputs, allowed = case.inputs()
+        got = outputs[name].numpy()
+        assert np.isfinite(got).all(), f"{name} ({arch}): read a slot it must not"
+        np.testing.assert_allclose(
+            got, numpy_attention(inputs, allowed), atol=2e-5, err_msg=f"{name} ({arch})"
+        )

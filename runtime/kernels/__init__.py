@@ -58,22 +58,23 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("clang++")
 
 
-def _build_key(cxx: str) -> str:
+def _build_key(cxx: str, flags: tuple[str, ...] = FLAGS) -> str:
     """Sources, compiler, flags and the very ExecuTorch installation: the library links to
     that one's libexecutorch.so, and loading it beside another copy (a second venv sharing
     this cache) would give the process two kernel registries, and abort."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     root = str(executorch_root().resolve())
-    for part in (version, metadata.version("executorch"), root, " ".join(FLAGS)):
+    for part in (version, metadata.version("executorch"), root, " ".join(flags)):
         digest.update(part.encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def build(cache_dir: Path = BUILD_CACHE) -> Path:
-    """The kernels' shared library, compiled first when this key has none yet."""
+def build(cache_dir: Path = BUILD_CACHE, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The kernels' shared library, compiled first when this key has none yet. `flags`: this
+    machine's by default (the tests also build for narrower vector targets)."""
     cxx = compiler()
     if cxx is None:
         named = os.environ.get("CXX")
@@ -83,7 +84,7 @@ def build(cache_dir: Path = BUILD_CACHE) -> Path:
             f"compiler; {found}: install g++ (apt install g++) or set CXX, or export the "
             "bundle with --attention matmul"
         )
-    folder = cache_dir / _build_key(cxx)
+    folder = cache_dir / _build_key(cxx, flags)
     library = folder / LIBRARY
     if library.exists():
         return library
@@ -91,7 +92,7 @@ def build(cache_dir: Path = BUILD_CACHE) -> Path:
     with staged_folder(folder) as tmp:
         command = [
             cxx,
-            *FLAGS,
+            *flags,
             f"-I{executorch_root() / 'include'}",
             f"-I{executorch_root() / C10_HEADERS}",
             *map(str, SOURCES),

@@ -31,6 +31,12 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
@@ -67,18 +73,38 @@ inline Vec load(const float* p) {
   return v;
 }
 
-inline Vec load(const _Float16* p) {  // F16C's vcvtph2ps on x86, fcvtl on NEON
+// Float16 widened a whole register at a time. Written out per target: left to
+// __builtin_convertvector, GCC widened lane by lane (one scalar conversion and shuffle per
+// float), which was most of a long-context decode's attention.
+inline Vec load(const _Float16* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__AVX__) && defined(__F16C__)
+  return reinterpret_cast<Vec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  return reinterpret_cast<Vec>(vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p))));
+#else
   HalfVec h;
   std::memcpy(&h, p, sizeof h);
   return __builtin_convertvector(h, Vec);
+#endif
 }
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+// The lanes summed pairwise: a sequential sum (what the compiler must keep for a plain loop
+// without -ffast-math) is one dependent add per lane, at every key and row.
 inline float lane_sum(Vec v) {
-  float sum = 0;
-  for (int l = 0; l < kLanes; ++l) sum += v[l];
-  return sum;
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float t[kLanes];
+  std::memcpy(t, &v, sizeof t);
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) t[l] += t[l + width];
+  }
+  return t[0];
+#endif
 }
 
 // scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time.
