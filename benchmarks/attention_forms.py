@@ -15,7 +15,9 @@ in this process, interleaved, medians of `--repeat` rounds:
 - `custom_sdpa`: ExecuTorch's own `llama::custom_sdpa` (its LLM custom ops, in the wheel), which
   reads only the cache's valid prefix;
 - `kernel`: edgemtp's own ExecuTorch kernel (`runtime/kernels/cache_attention.cpp`, what
-  `--attention kernel` programs call for decode, verify and draft rows);
+  `--attention kernel` programs call for decode, verify and draft rows), and `kernel_fp16`: the
+  same over a float16 cache, as kernel bundles store it (checked against eager attention over
+  the float16 values);
 - `eager`: the same batched matmuls in eager PyTorch (MKL), as a reference for the hardware.
 
 Every form's output is checked against the eager one. Writes OUT/attention_forms.{json,md,png}.
@@ -89,6 +91,7 @@ def measure(slots: int, heads: int, head_dim: int, repeat: int) -> dict[str, Any
         "fc": (CacheAsInput(), (q, k, v.transpose(1, 2).contiguous(), mask)),
         "custom_sdpa": (CustomSdpa(), (q, k, v, last)),
         "kernel": (Kernel(), (q, k, v, mask)),
+        "kernel_fp16": (Kernel(), (q, k.half(), v.half(), mask)),
     }
     programs = {name: export_method(m, args) for name, (m, args) in inputs.items()}
     manager = lower_programs(programs, lambda: [xnnpack_partitioner()]).to_executorch(
@@ -97,13 +100,14 @@ def measure(slots: int, heads: int, head_dim: int, repeat: int) -> dict[str, Any
     buffer = manager.buffer
     program = portable_lib._load_for_executorch_from_buffer(buffer)
     ref = eager(q, k, v)
+    ref_fp16 = eager(q, k.half().float(), v.half().float())  # what a float16 cache holds
     calls = {name: (lambda n=name: program.run_method(n, inputs[n][1])) for name in inputs}
     calls["eager"] = lambda: eager(q, k, v)
     errors = {}
     for name, call in calls.items():
         out = call()
         out = out[0] if isinstance(out, (list, tuple)) else out
-        errors[name] = float((out - ref).abs().max())
+        errors[name] = float((out - (ref_fp16 if name == "kernel_fp16" else ref)).abs().max())
         assert errors[name] < 1e-3, (name, errors[name])
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeat):

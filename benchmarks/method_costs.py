@@ -1,7 +1,8 @@
 """Where an ExecuTorch bundle's decode time goes: each method's cost per call, and per op type.
 
     python benchmarks/method_costs.py --bundle DIR [--threads 1] [--repeat 7] [--calls 100]
-        [--etdump] [--against OTHER_BUNDLE] [--out benchmarks/results/NAME]
+        [--etdump] [--against OTHER_BUNDLE] [--positions 16,480,1800]
+        [--out benchmarks/results/NAME]
 
 Calls every decode method (verify_K, draft_step; prefill_final and its context buckets' with
 --prefill) with inputs built from the manifest's signatures (positions past the prompt, so
@@ -11,7 +12,11 @@ splits each method's time by operator type (XNNPACK ops inside the delegates, po
 outside them, and the per-call overhead: DELEGATE_CALL time not covered by the ops inside it).
 `--against` times another bundle's program (e.g. exported by an earlier commit) interleaved with
 this one: the ratio of a change measured side by side. Writes NAME.json and NAME.md.
-The runtime's own Python host overhead is not here: `benchmarks/runtime_backends.py` has it.
+`--positions` times the AR decode method at context positions instead: per position a session
+prefills that many seeded random tokens (so the cache holds real keys and the kernel attends to
+them), then the method the runtime picks there is called at the next position, `--repeat` rounds
+of `--calls`. The runtime's own Python host overhead is not here: `benchmarks/runtime_backends.py`
+has it.
 """
 
 from __future__ import annotations
@@ -113,6 +118,34 @@ def op_breakdown(pte: Path, name: str, inputs: tuple, n: int) -> dict[str, dict[
     return table
 
 
+def time_positions(bundle: Path, threads: int, positions: list[int], repeat: int, n: int) -> list:
+    """[(position, method, median ms per call)] of the AR method over a cache filled to each
+    position by the runtime's own prefill."""
+    from edgemtp.runtime.session import Session
+
+    session = Session.from_bundle(bundle, threads=threads, verify=False)
+    backend = session.backend
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for position in positions:
+        session.reset()
+        prompt = torch.randint(3, backend.vocab_size, (position,), generator=gen).tolist()
+        session.generate(prompt, 1, mtp=0, stop_ids=())
+        method, _ = backend.shapes.verify_method(0, position + 1)
+        inputs = backend._padded(torch.tensor([prompt[-1]]), position, 1)
+        for _ in range(5):
+            backend.runner.call(method, *inputs)
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                backend.runner.call(method, *inputs)
+            samples.append((time.perf_counter() - t0) / n * 1e3)
+        rows.append((position, method, statistics.median(samples)))
+        print(f"position {position}: {method} {rows[-1][2]:.3f} ms", file=sys.stderr)
+    return rows
+
+
 def report(result: dict) -> str:
     lines = [
         f"# Method costs: {result['bundle']}",
@@ -120,9 +153,14 @@ def report(result: dict) -> str:
         f"`{result['command']}`",
         "",
         f"{result['machine']['cpu']}; XNNPACK threads: {result['threads']}; medians of "
-        f"{result['repeat']} interleaved rounds of {result['calls']} calls.",
+        f"{result['repeat']} {'' if 'positions' in result else 'interleaved '}rounds of "
+        f"{result['calls']} calls.",
         "",
     ]
+    if "positions" in result:
+        lines += ["| position | method | ms per call |", "|---:|---|---:|"]
+        lines += [f"| {p} | {m} | {ms:.3f} |" for p, m, ms in result["positions"]]
+        return "\n".join(lines) + "\n"
     against = result.get("against_ms_per_call")
     if against:
         lines += [
@@ -159,6 +197,9 @@ def main() -> None:
     parser.add_argument(
         "--against", type=Path, help="another bundle of the same shapes, timed interleaved"
     )
+    parser.add_argument(
+        "--positions", help="comma-separated context positions: time the AR method at each"
+    )
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     args = parser.parse_args()
 
@@ -175,8 +216,6 @@ def main() -> None:
     kernels.load()  # a program exported with --attention kernel calls them
     portable_lib._unsafe_reset_threadpool(args.threads)
     torch.manual_seed(0)
-    calls = decode_methods(manifest, args.prefill)
-    print(f"timing {', '.join(calls)}", file=sys.stderr)
     result = {
         "bundle": str(args.bundle),
         "command": "python " + " ".join(sys.argv),
@@ -185,6 +224,15 @@ def main() -> None:
         "repeat": args.repeat,
         "calls": args.calls,
     }
+    if args.positions:
+        positions = [int(p) for p in args.positions.split(",")]
+        result["positions"] = time_positions(
+            args.bundle, args.threads, positions, args.repeat, args.calls
+        )
+        finish(result, args.out)
+        return
+    calls = decode_methods(manifest, args.prefill)
+    print(f"timing {', '.join(calls)}", file=sys.stderr)
     ptes = {"bundle": pte}
     if args.against is not None:
         other = json.loads((args.against / "manifest.json").read_text())
@@ -202,12 +250,16 @@ def main() -> None:
         for name, inputs in calls.items():
             print(f"tracing {name}", file=sys.stderr)
             result["ops"][name] = op_breakdown(pte, name, inputs, 30)
+    finish(result, args.out)
+
+
+def finish(result: dict, out: Path | None) -> None:
     text = report(result)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(text)
 
 
 if __name__ == "__main__":
