@@ -479,6 +479,41 @@ def _check_pipe_bundle(core: Path, bundle: Path, python_session, python_calls: l
 
 
 @pytest.fixture(scope="module")
+def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
+    """The tiny pair as an ExecuTorch cpu bundle whose decode, verify and draft methods call
+    edgemtp's attention kernel (`--attention kernel`, the default there)."""
+    from edgemtp.cli import main
+
+    target, drafter = tiny_q4_0_pair
+    out = tmp_path_factory.mktemp("executorch-kernel") / "bundle"
+    assert main(
+        ["export", "--model", str(target), "--drafter", str(drafter), "--backend", "executorch",
+         "--delegate", "cpu", "--max-context", "96", "--draft-depth", "2", "--prefill-chunk", "8",
+         "--out", str(out)]
+    ) == 0  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["backend_details"]["kernels"] == ["edgemtp::cache_attention.out"]
+    return out
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_engine_runs_a_kernel_bundle_like_python(engine_run, tiny_kernel_bundle, depth):
+    """engine_run compiles edgemtp's kernel into itself (apps/core/tests/executorch.cmake): over
+    a bundle that calls it, the C++ engine decodes the Python runtime's tokens, round by round,
+    past the tiny model's sliding ring."""
+    from edgemtp.runtime.session import Session
+
+    session = Session.from_bundle(tiny_kernel_bundle)
+    prompt = _random_prompt(21, session.backend.vocab_size)
+    expected = session.generate(prompt, PIPE_TOKENS, mtp=depth, stop_ids=(), interruptible=False)
+    out = _engine(engine_run, tiny_kernel_bundle, "--ids", ",".join(map(str, prompt)),
+                  "--depth", str(depth), "--tokens", str(PIPE_TOKENS), "--no-stop")  # fmt: skip
+    assert out["tokens"] == expected.tokens
+    assert out["stats"]["rounds"] == _rounds(expected)
+    assert (out["stats"]["seconds_by_phase"]["drafter"] > 0) == (depth > 0)
+
+
+@pytest.fixture(scope="module")
 def tiny_onnx(tiny_q4_0_pair, tmp_path_factory) -> Path:
     from edgemtp.cli import main
 

@@ -92,19 +92,23 @@ inline Vec load(const _Float16* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
-// The lanes summed pairwise: a sequential sum (what the compiler must keep for a plain loop
-// without -ffast-math) is one dependent add per lane, at every key and row.
+// The lanes summed pairwise, halves onto halves: a sequential sum (what the compiler must keep
+// for a plain loop without -ffast-math) is one dependent add per lane, at every key and row.
+// (Vector shuffles, not intrinsics: GCC 12 warns inside _mm512_reduce_add_ps and its kin.)
+using Quad = float __attribute__((vector_size(4 * sizeof(float))));
+
 inline float lane_sum(Vec v) {
 #if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+  using Oct = float __attribute__((vector_size(8 * sizeof(float))));
+  const Oct h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Quad q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#elif defined(__AVX__)
+  const Quad q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
 #else
-  float t[kLanes];
-  std::memcpy(t, &v, sizeof t);
-  for (int width = kLanes / 2; width > 0; width /= 2) {
-    for (int l = 0; l < width; ++l) t[l] += t[l + width];
-  }
-  return t[0];
+  const Quad q = v;
 #endif
+  return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 // scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time.

@@ -20,6 +20,17 @@ endif()
 # edgemtp's own ExecuTorch kernels (runtime/kernels: what `--attention kernel` bundles call)
 # register themselves with the runtime when linked in.
 file(GLOB EDGEMTP_KERNELS CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/../../../runtime/kernels/*.cpp)
+# Compiled as the Python runtime compiles them on this host (runtime/kernels/__init__.py's
+# FLAGS): the same vector code, so this engine's numbers are the Python runtime's bit for bit
+# (another vector width sums in another order, and an 8da4w model's near-ties then flip).
+# GCC 12's AVX-512 headers trip its own -Wmaybe-uninitialized (their _mm512_undefined_*).
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64|amd64")
+  set(EDGEMTP_KERNEL_FLAGS -O3 -march=native -mprefer-vector-width=512)
+else()
+  set(EDGEMTP_KERNEL_FLAGS -O3 -mcpu=native)
+endif()
+set_source_files_properties(${EDGEMTP_KERNELS} PROPERTIES COMPILE_OPTIONS
+  "${EDGEMTP_KERNEL_FLAGS};$<$<CXX_COMPILER_ID:GNU>:-Wno-maybe-uninitialized>")
 add_executable(engine_run ${CMAKE_CURRENT_LIST_DIR}/engine_run.cpp
                           ${CMAKE_CURRENT_LIST_DIR}/engine_cli.cpp
                           ${CMAKE_CURRENT_LIST_DIR}/executorch_runner.cpp
