@@ -78,9 +78,11 @@ inline Vec load(const float* p) {
 // float), which was most of a long-context decode's attention.
 inline Vec load(const _Float16* p) {
 #if defined(__AVX512F__)
-  return reinterpret_cast<Vec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<Vec>(_mm512_cvtph_ps(h));
 #elif defined(__AVX__) && defined(__F16C__)
-  return reinterpret_cast<Vec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm256_cvtph_ps(h));
 #elif defined(__ARM_NEON) && defined(__aarch64__)
   return reinterpret_cast<Vec>(vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p))));
 #else
@@ -102,9 +104,11 @@ inline float lane_sum(Vec v) {
   using Oct = float __attribute__((vector_size(8 * sizeof(float))));
   const Oct h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Quad q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const Quad q =
+      __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
 #elif defined(__AVX__)
-  const Quad q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const Quad q =
+      __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
 #else
   const Quad q = v;
 #endif
