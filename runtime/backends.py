@@ -30,7 +30,7 @@ from edgemtp.errors import EdgeMTPError
 from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.model.config import TextConfig
 from edgemtp.model.gemma4 import TokenTables
-from edgemtp.runtime.kv_cache import KVCache, model_cache_dtype, ring_size
+from edgemtp.runtime.kv_cache import KVCache, ring_size
 
 if TYPE_CHECKING:
     from edgemtp.export.static import StaticShapes
@@ -177,8 +177,7 @@ class ReferenceBackend:
         self.has_drafter = drafter is not None
         self.vocab_size = cfg.vocab_size
         self.chunk, self.prune = prefill_chunk, prune
-        dtype = model_cache_dtype(target.model)
-        self.cache = KVCache(cfg, self.max_context, max_draft=self.max_draft, dtype=dtype)
+        self.cache = KVCache.for_model(target.model, cfg, self.max_context, self.max_draft)
         self.rings = RingTracker(self.cache.slots, cfg.sliding_window)
         self.meter = Meter()
 

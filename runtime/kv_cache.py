@@ -40,12 +40,6 @@ def cache_bytes(cfg: TextConfig, max_context: int, max_draft: int, itemsize: int
     )
 
 
-def model_cache_dtype(model: torch.nn.Module) -> torch.dtype:
-    """What a model's K/V are kept in: float32, or what a program stores when the model is
-    swapped to its forms (`kv_cache_dtype`, set by `export.executorch.xnnpack_forms`)."""
-    return getattr(model, "kv_cache_dtype", torch.float32)
-
-
 class KVCache:
     def __init__(
         self,
@@ -68,6 +62,16 @@ class KVCache:
             kind: torch.full((n,), -1, dtype=torch.long) for kind, n in self.slots.items()
         }
         self.length = 0  # positions [0, length) are in the cache
+
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, cfg: TextConfig, max_context: int, max_draft: int = 0
+    ) -> KVCache:
+        """A cache in the dtype `model` keeps K/V in: float32, or what a program stores when
+        the model is swapped to its forms (`kv_cache_dtype`, set by
+        `export.executorch.xnnpack_forms`)."""
+        dtype = getattr(model, "kv_cache_dtype", torch.float32)
+        return cls(cfg, max_context, max_draft, dtype=dtype)
 
     # --- CacheView: what a forward reads -------------------------------------------------------
     def _used(self, kind: str) -> int:

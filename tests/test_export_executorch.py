@@ -54,7 +54,7 @@ from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 from edgemtp.runtime.backends import StaticBackend, prefill
 from edgemtp.runtime.generate import generate
-from edgemtp.runtime.kv_cache import KVCache, model_cache_dtype
+from edgemtp.runtime.kv_cache import KVCache
 from edgemtp.runtime.session import Session
 
 SHAPES = StaticShapes(max_context=64, max_draft=4, chunk=8)
@@ -353,8 +353,7 @@ def _program_picks(
 def _teacher_forced(target, prompt: list[int], tokens: list[int]) -> tuple[int, float]:
     """Fed prompt + tokens, how many of `tokens` the reference also picks greedily, and the
     largest gap between its best logit and the token's, relative to its logit range."""
-    dtype = model_cache_dtype(target.model)
-    cache = KVCache(target.cfg, len(prompt) + len(tokens), SHAPES.max_draft, dtype=dtype)
+    cache = KVCache.for_model(target.model, target.cfg, len(prompt) + len(tokens), SHAPES.max_draft)
     _, logits = prefill(target, cache, torch.tensor(prompt), chunk=8)
     rows = [logits]
     for token in tokens[:-1]:
@@ -376,9 +375,7 @@ def test_drafter_reads_the_targets_cache_in_place(checkpoints, lowered):
     hidden, logits = StaticBackend(runner, target.tables, target.cfg).prefill(prompt, 0)
     embed = target.tables.embed(logits.argmax()[None])[0]
     got, _, _ = runner.call("draft_step", embed, hidden, torch.tensor([len(prompt)]))
-    cache = KVCache(
-        target.cfg, SHAPES.max_context, SHAPES.max_draft, dtype=model_cache_dtype(target.model)
-    )
+    cache = KVCache.for_model(target.model, target.cfg, SHAPES.max_context, SHAPES.max_draft)
     prefill(target, cache, torch.tensor(prompt), chunk=8)
     empty = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft)
     with torch.no_grad():  # the next hidden state: continuous, unlike the top-k clustered ids
@@ -403,8 +400,7 @@ def test_program_logits_within_tolerance_of_eager_references(checkpoints, lowere
     driver = StaticBackend(ExecuTorchRunner(pte, SHAPES), first.tables, first.cfg)
     _, got = driver.prefill(prompt.tolist(), 0)
     for name, model in references.items():
-        dtype = model_cache_dtype(model.model)
-        cache = KVCache(model.cfg, SHAPES.max_context, SHAPES.max_draft, dtype=dtype)
+        cache = KVCache.for_model(model.model, model.cfg, SHAPES.max_context, SHAPES.max_draft)
         _, ref = prefill(model, cache, prompt, chunk=8)
         error = float((got - ref).abs().max() / ref.abs().max())
         assert error <= TOLERANCE[name], name
@@ -627,8 +623,7 @@ def test_scaled_e2b_bundle_from_the_cli(tmp_path):
     _, got = driver.prefill(prompt, 0)
     errors = []
     for model in (reference, fp32_reference):
-        dtype = model_cache_dtype(model.model)
-        cache = KVCache(model.cfg, shapes.max_context, shapes.max_draft, dtype=dtype)
+        cache = KVCache.for_model(model.model, model.cfg, shapes.max_context, shapes.max_draft)
         _, ref = prefill(model, cache, torch.tensor(prompt), chunk=shapes.chunk)
         errors.append(float((got - ref).abs().max() / ref.abs().max()))
         if model is reference:
