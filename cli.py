@@ -199,9 +199,10 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--attention",
         choices=("kernel", "matmul"),
-        help="ExecuTorch cpu: decode, verify and draft attention as edgemtp's kernel (default: "
-        "reads only the cache slots attended; the runtime compiles it, the apps link it) or "
-        "as XNNPACK batched matmuls over every slot (any stock ExecuTorch runtime)",
+        help="ExecuTorch cpu: decode, verify and draft steps in edgemtp's kernels (default: "
+        "attention reads only the cache slots attended, Q4_0 linears run as llama.cpp does; "
+        "the runtime compiles them, the apps link them) or in XNNPACK alone (attention as "
+        "batched matmuls over every slot; any stock ExecuTorch runtime)",
     )
     p.add_argument("--out", required=True, type=Path, help="bundle folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")

@@ -9,9 +9,12 @@ Delegates:
   codes' * |s| + offset, the offset being one constant per block; the program adds
   offset * (sum of the block's activations) with a small fp32 linear pair (block sums as a
   1-output linear over the input's blocks, then the [out, G] offsets). Linears of one
-  module that read the same input (Q/K/V, gate/up) run as one such linear. Other linears stay
-  fp32. The assistant's clustered head gathers LM-head rows by token id (no linear can do
-  that): from the int4 codes when there are some, dequantized exactly in fp32.
+  module that read the same input (Q/K/V, gate/up) run as one such linear. With edgemtp's
+  kernels (`--attention kernel`), a Q4_0 linear's decode, verify and draft steps run in
+  `edgemtp::q4_0_linear` instead, over the checkpoint's blocks as they are: one
+  operator where XNNPACK needs five (benchmarks/README.md). Other linears stay fp32. The
+  assistant's clustered head gathers LM-head rows by token id (no linear can do that): from
+  the int4 codes when there are some, dequantized exactly in fp32.
 - `metal` / `npu`: Core ML through ExecuTorch's Core ML delegate (compute units CPU_AND_GPU /
   CPU_AND_NE).
 - `htp`: Qualcomm QNN, when the QNN SDK is installed.
@@ -40,6 +43,7 @@ from edgemtp.errors import EdgeMTPError
 from edgemtp.export.bundle import Lowered, Progress
 from edgemtp.export.exportable import (
     KERNEL_CACHE_DTYPE,
+    KERNEL_MAX_ROWS,
     ArithmeticMaskDrafter,
     ArithmeticMaskTarget,
     ExportAttention,
@@ -57,7 +61,8 @@ from edgemtp.export.lower import (
 )
 from edgemtp.export.static import StaticBundle, method_kind
 from edgemtp.export.weights import Int4Weight, int4_of
-from edgemtp.model.gemma4 import ClusteredHead, Gemma4Drafter, Gemma4Target
+from edgemtp.model.gemma4 import ClusteredHead, Gemma4Drafter, Gemma4Target, in_prompt_chunk
+from edgemtp.quantize.q4_0 import BLOCK, Q4_0, nibbles_q4_0
 
 PROGRAM = "model.pte"
 COREML_UNITS = {"metal": "CPU_AND_GPU", "npu": "CPU_AND_NE"}
@@ -152,12 +157,37 @@ class Int4Linear(nn.Module):
             # E2B down projection's 18.9 MB, more than its int4 codes).
             self.block_ones = nn.Parameter(torch.ones(1, group), requires_grad=False)
             self.offset = nn.Parameter(offset.float(), requires_grad=False)
+        # The same weight as GGML Q4_0 blocks, for calls of a few rows (`with_q4_0_kernel`)
+        self.nibbles: nn.Parameter | None = None
+        self.half_scales: nn.Parameter | None = None
+
+    def with_q4_0_kernel(self, nibbles: Tensor, half_scales: Tensor) -> Int4Linear:
+        """Also keep the weight as Q4_0 blocks (`nibbles_q4_0`'s bytes, float16 scales): decode,
+        verify and draft steps (up to KERNEL_MAX_ROWS rows: one numerics for AR and MTP, so
+        speculation stays lossless) then run edgemtp's Q4_0 kernel (`edgemtp::q4_0_linear`:
+        signed scales, no offset pair, llama.cpp's Q8_0 activations), prompt chunks
+        (`in_prompt_chunk`) XNNPACK's 8da4w GEMM, whatever their rows."""
+        self.nibbles = nn.Parameter(nibbles, requires_grad=False)
+        self.half_scales = nn.Parameter(half_scales, requires_grad=False)
+        return self
 
     @classmethod
-    def xnnpack(cls, w: Int4Weight) -> Int4Linear:
-        """8da4w from the checkpoint's codes, in XNNPACK's form (see `_block_form`)."""
+    def xnnpack(cls, w: Int4Weight, q4_0_kernel: bool = False) -> Int4Linear:
+        """8da4w from the checkpoint's codes, in XNNPACK's form (see `_block_form`); with
+        `q4_0_kernel`, a weight that is Q4_0 (symmetric, blocks of 32, float16 scales) also
+        runs a few rows in edgemtp's Q4_0 kernel."""
         codes, scales, offset = _block_form(w)
-        return cls(codes, scales, torch.zeros_like(scales, dtype=torch.int8), w.group, offset)
+        linear = cls(codes, scales, torch.zeros_like(scales, dtype=torch.int8), w.group, offset)
+        half = w.scales.half()
+        if (
+            q4_0_kernel
+            and w.group == BLOCK
+            and w.symmetric
+            and bool((half.float() == w.scales).all())
+        ):
+            q = Q4_0(scales=half, codes=w.codes, shape=w.shape)
+            linear.with_q4_0_kernel(nibbles_q4_0(q), half)
+        return linear
 
     @classmethod
     def weight_only(cls, w: Int4Weight) -> Int4Linear:
@@ -168,6 +198,9 @@ class Int4Linear(nn.Module):
         return cls(codes, w.scales, zeros, w.group, dynamic_int8=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        few = x.numel() <= KERNEL_MAX_ROWS * self.in_features
+        if self.nibbles is not None and few and not in_prompt_chunk():
+            return torch.ops.edgemtp.q4_0_linear(x, self.nibbles, self.half_scales)
         if x.dim() == 1:  # activations are quantized per row of a matrix
             return self.forward(x[None])[0]
         if not self.dynamic_int8:
@@ -263,6 +296,10 @@ class FusedInt4Linear(Int4Linear):
             torch.cat(offsets) if any(p.offset is not None for p in parts) else None,
             parts[0].dynamic_int8,
         )
+        if all(p.nibbles is not None for p in parts):
+            self.with_q4_0_kernel(
+                torch.cat([p.nibbles for p in parts]), torch.cat([p.half_scales for p in parts])
+            )
         self._last: tuple[Tensor, Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -375,8 +412,11 @@ def xnnpack_forms(model: nn.Module, role: str = "", attention: str = "kernel") -
             module.__class__ = LinearMeanRMSNorm
             module.register_buffer("mean_weight", torch.full((1, d), 1.0 / d), persistent=False)
             module.register_buffer("eps_bias", torch.tensor([module.eps]), persistent=False)
-    stats = swap_int4(model, Int4Linear.xnnpack, role)
+    stats = swap_int4(model, partial(Int4Linear.xnnpack, q4_0_kernel=attention == "kernel"), role)
     stats["fused_linears"] = fuse_shared_input_linears(model)
+    stats["q4_0_kernel_linears"] = sum(
+        isinstance(m, Int4Linear) and m.nibbles is not None for m in model.modules()
+    )
     # What the program stores: one fp32 offset per block of every linear that has any (a
     # dense [out, blocks] matrix, positive blocks' zeros included), read at every call.
     stats["offset_values"] = sum(
@@ -610,6 +650,7 @@ def _lower_xnnpack(
         "offset_blocks": stats["offset_blocks"],
         "offset_values": stats["offset_values"],
         "fused_linears": stats.get("fused_linears", 0),
+        "q4_0_kernel_linears": stats.get("q4_0_kernel_linears", 0),
         "float_linears": stats["float_linears"],
         "full_xnnpack_pipeline": full,  # partition tag -> op that needed every XNNPACK pass
         # edgemtp's own kernels the program calls (runtime/kernels): a runner must load them
@@ -653,6 +694,15 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
             out["fused"] = (
                 f"{stats['fused_linears']} linears that read one input (Q/K/V, gate/up) run as "
                 "one int4 linear per input; the same codes, scales and rounding (exact)"
+            )
+        if stats.get("q4_0_kernel_linears"):
+            out["q4_0_kernel"] = (
+                f"{stats['q4_0_kernel_linears']} Q4_0 linears run decode, verify and draft "
+                f"steps (up to {KERNEL_MAX_ROWS} rows) in edgemtp's kernel "
+                "(edgemtp::q4_0_linear, llama.cpp's numerics): the checkpoint's blocks as they "
+                "are (codes, signed fp16 scales; no offset pair), the activations rounded to "
+                "Q8_0 (per block of 32, d = max|x| / 127), int32 block sums times scale * d, "
+                "summed in fp32; prompt chunks as 8da4w below"
             )
         if stats["offset_blocks"]:
             out["offsets"] = (

@@ -23,9 +23,11 @@ Numerics differ from the eager reference only by float rounding.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgemtp.model.gemma4 import Attention, Gemma4Drafter, Gemma4Target, RMSNorm, apply_rope
+from edgemtp.quantize.q4_0 import Q4_0, dequantize_q4_0, q8_0_rows, unnibble_q4_0
 
 _ADDITIVE: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -219,6 +221,33 @@ _LIBRARY.impl("cache_attention", cache_attention, "CompositeExplicitAutograd")
 _LIBRARY.impl("cache_attention.out", _cache_attention_out, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "edgemtp::cache_attention", lambda q, *_: torch.empty_like(q), lib=_LIBRARY
+)
+
+
+Q4_0_LINEAR = "(Tensor x, Tensor nibbles, Tensor scales)"
+_LIBRARY.define("q4_0_linear" + Q4_0_LINEAR + " -> Tensor")
+_LIBRARY.define("q4_0_linear.out" + Q4_0_LINEAR[:-1] + ", *, Tensor(a!) out) -> Tensor(a!)")
+
+
+def q4_0_linear(x: Tensor, nibbles: Tensor, scales: Tensor) -> Tensor:
+    """What `edgemtp::q4_0_linear` computes (runtime/kernels/q4_0_linear.cpp): x [..., in]
+    rounded to Q8_0, times the Q4_0 weight of `nibbles` uint8 [out, in / 2] (`nibbles_q4_0`)
+    and `scales` float16 [out, in / 32] -> [..., out]."""
+    out, half = nibbles.shape
+    w = dequantize_q4_0(Q4_0(scales=scales, codes=unnibble_q4_0(nibbles), shape=(out, half * 2)))
+    return F.linear(q8_0_rows(x), w)
+
+
+def _q4_0_linear_out(x: Tensor, nibbles: Tensor, scales: Tensor, *, out: Tensor) -> Tensor:
+    return out.copy_(q4_0_linear(x, nibbles, scales))
+
+
+_LIBRARY.impl("q4_0_linear", q4_0_linear, "CompositeExplicitAutograd")
+_LIBRARY.impl("q4_0_linear.out", _q4_0_linear_out, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "edgemtp::q4_0_linear",
+    lambda x, nibbles, scales: x.new_empty(*x.shape[:-1], nibbles.shape[0]),
+    lib=_LIBRARY,
 )
 
 

@@ -453,7 +453,8 @@ def delegation_summary(
             portable[op] += 1
             elements[op] += _output_elements(node)
             stack = " ".join(p for p, _ in (node.meta.get("nn_module_stack") or {}).values())
-            linear = any(w in op for w in _LINEAR_OPS)
+            # (edgemtp's own kernels run outside the delegates by design: runtime/kernels)
+            linear = any(w in op for w in _LINEAR_OPS) and not op.startswith("edgemtp.")
             matmul = any(w in f".{op}." for w in _MATMUL_OPS)
             if linear or (matmul and not any(e in stack for e in exempt)):
                 raise EdgeMTPError(

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from edgemtp.export.exportable import clear_mask_memo, make_exportable
 from edgemtp.model.config import AttentionKind, TextConfig
-from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target
+from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target, prompt_chunk
 from edgemtp.runtime.kv_cache import cache_slots
 
 CONTEXT_STEP = 4  # auto context buckets: 512, 2048, 8192, ... below the max context
@@ -250,17 +250,19 @@ class StaticTarget(nn.Module):
     ) -> Tensor:
         """A full chunk that is not the prompt's last: KV-shared layers skipped. Returns the new
         cache length [1]. With `bucket`, attention reads only that many cache slots."""
-        self._forward(embeds, token_ple, positions, "none", bucket)
+        with prompt_chunk():
+            self._forward(embeds, token_ple, positions, "none", bucket)
         return positions[-1:] + 1
 
     def prefill_final(
         self, embeds: Tensor, token_ple: Tensor, positions: Tensor, bucket: int | None = None
     ) -> tuple[Tensor, Tensor]:
         """The prompt's last chunk (left-padded): (last hidden [hidden], logits [vocab])."""
-        hidden = self._forward(embeds, token_ple, positions, "last", bucket)
-        assert hidden is not None
-        last = hidden[-1]
-        return last, self.target.logits(last)
+        with prompt_chunk():
+            hidden = self._forward(embeds, token_ple, positions, "last", bucket)
+            assert hidden is not None
+            last = hidden[-1]
+            return last, self.target.logits(last)
 
     def verify(
         self, embeds: Tensor, token_ple: Tensor, positions: Tensor, bucket: int | None = None

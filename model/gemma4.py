@@ -14,6 +14,9 @@ Conventions, chosen so the same code can be lowered with static shapes later:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -22,6 +25,27 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgemtp.model.config import AssistantConfig, AttentionKind, LayerSpec, RopeSpec, TextConfig
+
+_PROMPT_CHUNK: ContextVar[bool] = ContextVar("edgemtp_prompt_chunk", default=False)
+
+
+@contextmanager
+def prompt_chunk() -> Iterator[None]:
+    """Marks a forward as a chunk of the prompt (a static program's prefill method, the reference
+    engine's chunked prefill) rather than a decode, verify or draft step. A backend form whose
+    numerics differ between the two (edgemtp's Q4_0 kernel runs steps, XNNPACK's 8da4w GEMM the
+    chunks) asks `in_prompt_chunk()`: a row count cannot tell them apart, since the reference's
+    last chunk is as short as the prompt leaves it where the program pads it to the chunk."""
+    token = _PROMPT_CHUNK.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT_CHUNK.reset(token)
+
+
+def in_prompt_chunk() -> bool:
+    return _PROMPT_CHUNK.get()
+
 
 RowSelection = Literal["all", "last", "none"]
 

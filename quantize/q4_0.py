@@ -139,6 +139,32 @@ def dequantize_q4_0_rows(rows: np.ndarray, cols: int) -> np.ndarray:
     return w.reshape(rows.shape[0], cols)
 
 
+def q8_0_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as llama.cpp's Q8_0 rounds activations before a Q4_0 dot product (and edgemtp's
+    kernel, runtime/kernels/q4_0_linear.cpp): per block of 32 along the last axis,
+    d = max|x| / 127 and q = round-half-even(x * (1 / d)); returns q * d in float32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
+def nibbles_q4_0(q: Q4_0) -> torch.Tensor:
+    """The codes two per byte as GGML's blocks hold them: uint8 [rows, cols // 2], block g at
+    bytes 16g..16g+15, byte j = code 32g + j | code 32g + 16 + j << 4 (`pack_q4_0` without
+    the scales)."""
+    rows, cols = q.codes.shape
+    codes = q.codes.reshape(rows, cols // BLOCK, BLOCK)
+    return (codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)).reshape(rows, cols // 2)
+
+
+def unnibble_q4_0(nibbles: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [rows, cols] back from `nibbles_q4_0`'s bytes."""
+    rows, half = nibbles.shape
+    blocks = nibbles.reshape(rows, -1, BLOCK // 2)
+    return torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(rows, half * 2)
+
+
 def q4_0_as_int4_groups(q: Q4_0) -> tuple[torch.Tensor, torch.Tensor]:
     """The same weights as symmetric int4, group size 32: `(values, scales)`.
 

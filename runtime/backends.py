@@ -29,7 +29,7 @@ from torch import Tensor
 from edgemtp.errors import EdgeMTPError
 from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.model.config import TextConfig
-from edgemtp.model.gemma4 import TokenTables
+from edgemtp.model.gemma4 import TokenTables, prompt_chunk
 from edgemtp.runtime.kv_cache import KVCache, ring_size
 
 if TYPE_CHECKING:
@@ -147,12 +147,13 @@ def prefill(
     meter = meter or Meter()
     hidden = None
     n = ids.shape[0]
-    for i in range(0, n, chunk):
-        rows = ("last" if i + chunk >= n else "none") if prune else "all"
-        hidden = forward_rows(target, cache, ids[i : i + chunk], rows, meter)
-    assert hidden is not None
-    with meter.phase("target"):
-        return hidden[-1], target.model.logits(hidden[-1])
+    with prompt_chunk():
+        for i in range(0, n, chunk):
+            rows = ("last" if i + chunk >= n else "none") if prune else "all"
+            hidden = forward_rows(target, cache, ids[i : i + chunk], rows, meter)
+        assert hidden is not None
+        with meter.phase("target"):
+            return hidden[-1], target.model.logits(hidden[-1])
 
 
 class ReferenceBackend:

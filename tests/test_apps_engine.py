@@ -481,7 +481,7 @@ def _check_pipe_bundle(core: Path, bundle: Path, python_session, python_calls: l
 @pytest.fixture(scope="module")
 def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
     """The tiny pair as an ExecuTorch cpu bundle whose decode, verify and draft methods call
-    edgemtp's attention kernel (`--attention kernel`, the default there)."""
+    edgemtp's kernels (`--attention kernel`, the default there): attention and Q4_0 linears."""
     from edgemtp.cli import main
 
     target, drafter = tiny_q4_0_pair
@@ -492,13 +492,16 @@ def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
          "--out", str(out)]
     ) == 0  # fmt: skip
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["backend_details"]["kernels"] == ["edgemtp::cache_attention.out"]
+    assert manifest["backend_details"]["kernels"] == [
+        "edgemtp::cache_attention.out",
+        "edgemtp::q4_0_linear.out",
+    ]
     return out
 
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_engine_runs_a_kernel_bundle_like_python(engine_run, tiny_kernel_bundle, depth):
-    """engine_run compiles edgemtp's kernel into itself (apps/core/tests/executorch.cmake): over
+    """engine_run compiles edgemtp's kernels into itself (apps/core/tests/executorch.cmake): over
     a bundle that calls it, the C++ engine decodes the Python runtime's tokens, round by round,
     past the tiny model's sliding ring."""
     from edgemtp.runtime.session import Session

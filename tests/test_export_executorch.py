@@ -52,7 +52,7 @@ from edgemtp.export.weights import attach_int4, int4_of
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
-from edgemtp.runtime.backends import StaticBackend, prefill
+from edgemtp.runtime.backends import StaticBackend, forward_rows, prefill
 from edgemtp.runtime.generate import generate
 from edgemtp.runtime.kv_cache import KVCache
 from edgemtp.runtime.session import Session
@@ -313,18 +313,20 @@ def test_program_tokens(checkpoints, lowered, scheme):
             assert got.tokens == ref.tokens
             assert got.drafted == ref.metrics()["drafted"]
         return
-    # 8da4w: teacher-forced on the program's tokens, the eager reference computing the
-    # program's numerics picks the same token but at near-ties. With the kernel's float16
-    # cache a last-bit difference in a key can flip its rounding to float16, so the two drift
-    # further (prompts of seeds 0-6: 28-35 of 36 equal, misses within 15 % of the logit range,
-    # the same with either summation order in the kernel); on this prompt the fp32-activation
-    # reference on the same weights agrees less (24 of 36, a gap of 38 %).
+    # 8da4w prompt chunks, Q4_0-kernel steps: teacher-forced on the program's tokens, the eager
+    # reference computing the program's numerics picks the same token but at near-ties. With
+    # the kernel's float16 cache a last-bit difference in a key can flip its rounding to
+    # float16, and one in an activation a Q8_0 code (a scale per 32 values: more rounding edges
+    # than one per row), so the two drift further (prompts of seeds 0-6: 26-30 of 36 equal,
+    # misses within 19 % of the logit range; 28-35 and 15 % when steps ran 8da4w too); on
+    # this prompt the fp32-activation reference on the same weights agrees less (24 of 36, a
+    # gap of 37 %).
     agree = {}
     for name, program_numerics in (("8da4w", True), ("fp32", False)):
         reference, _ = _load(checkpoints, scheme, program_numerics=program_numerics)
         agree[name], gap = _teacher_forced(reference, _prompt(), ar.tokens)
         if name == "8da4w":
-            assert agree[name] >= N_NEW - 8 and gap <= 0.15
+            assert agree[name] >= N_NEW - 10 and gap <= 0.2
     assert agree["fp32"] < agree["8da4w"]
 
 
@@ -356,8 +358,9 @@ def _teacher_forced(target, prompt: list[int], tokens: list[int]) -> tuple[int, 
     cache = KVCache.for_model(target.model, target.cfg, len(prompt) + len(tokens), SHAPES.max_draft)
     _, logits = prefill(target, cache, torch.tensor(prompt), chunk=8)
     rows = [logits]
-    for token in tokens[:-1]:
-        rows.append(prefill(target, cache, torch.tensor([token]), chunk=8)[1])
+    for token in tokens[:-1]:  # each as a decode step, as the program's verify_0 ran it
+        hidden = forward_rows(target, cache, torch.tensor([token]), "all")
+        rows.append(target.model.logits(hidden[-1]))
     logits = torch.stack(rows)
     chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     gap = (logits.max(-1).values - chosen) / logits.abs().amax(-1)
@@ -494,7 +497,11 @@ def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     assert set(details["delegation"]) == set(result.method_io) == methods | {"draft_step"}
     for method in details["delegation"].values():
         assert method["delegates"] >= 1
-        assert not [op for op in method["portable_ops"] if "linear" in op or ".mm." in op]
+        assert not [
+            op
+            for op in method["portable_ops"]
+            if ("linear" in op or ".mm." in op) and not op.startswith("edgemtp.")
+        ]
         # dispatched: fewer than the edge graph's nodes (q/dq pairs, views never run)
         assert 0 < method["runtime_ops"] < method["delegated_nodes"] + method["portable_nodes"]
     assert details["full_xnnpack_pipeline"] == {}  # every delegate preprocessed linear-only
@@ -512,6 +519,18 @@ def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     assert details["offset_values"] == blocks
     assert 0 < details["offset_blocks"] < details["offset_values"]
     assert "8da4w" in result.numerics["weights"] and "exact" in result.numerics["weights"]
+    # Q4_0 linears of decode, verify and draft steps in edgemtp's kernel; prompt chunks (8 rows,
+    # as many as a verify may have) in XNNPACK's 8da4w GEMM
+    kernel_calls = {
+        name: method["portable_ops"].get("edgemtp.q4_0_linear.default", 0)
+        for name, method in details["delegation"].items()
+    }
+    if scheme == "q4_0":
+        assert kernel_calls["verify_0"] == kernel_calls["verify_4"] > 0
+        assert kernel_calls["draft_step"] > 0
+        assert kernel_calls["prefill_final"] == kernel_calls["prefill_intermediate"] == 0
+        assert "edgemtp::q4_0_linear.out" in details["kernels"]
+        assert "Q8_0" in result.numerics["q4_0_kernel"]
     assert "int8" in result.numerics["activations"]
 
 

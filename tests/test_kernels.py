@@ -1,5 +1,7 @@
-"""edgemtp's ExecuTorch kernel `edgemtp::cache_attention` (runtime/kernels) against attention
-written in numpy over only the keys each row may see, run by ExecuTorch's Python runtime."""
+"""edgemtp's ExecuTorch kernels (runtime/kernels), run by ExecuTorch's Python runtime:
+`edgemtp::cache_attention` against attention written in numpy over only the keys each row may
+see, `edgemtp::q4_0_linear` against llama.cpp's Q8_0 x Q4_0 product written in numpy over the
+GGML bytes `gguf` quantizes."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import torch
 from torch import nn
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.exportable import BLOCKED, cache_attention
+from edgemtp.export.exportable import BLOCKED, cache_attention, q4_0_linear
 from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
+from edgemtp.quantize.q4_0 import BLOCK, nibbles_q4_0, unpack_q4_0
 from edgemtp.runtime import kernels
 
 
@@ -106,6 +109,61 @@ CASES = {
 }
 
 
+@dataclass
+class LinearCase:
+    """One `q4_0_linear` call: rows of x, in and out features."""
+
+    rows: int
+    n_in: int
+    n_out: int
+    seed: int
+
+    def ggml(self) -> tuple[torch.Tensor, np.ndarray]:
+        """(x, the weight as GGML Q4_0 bytes [out, in / 32 * 18], quantized by `gguf`). One
+        block of weights is all zeros (scale 0) and one block of x too (d = 0)."""
+        import gguf
+
+        gen = torch.Generator().manual_seed(self.seed)
+        w = torch.randn(self.n_out, self.n_in, generator=gen) * 0.05
+        w[0, :BLOCK] = 0
+        x = torch.randn(self.rows, self.n_in, generator=gen) * 3
+        x[-1, -BLOCK:] = 0
+        return x, gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0)
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, raw = self.ggml()
+        q = unpack_q4_0(raw, (self.n_out, self.n_in))
+        return x, nibbles_q4_0(q), q.scales
+
+
+def numpy_q4_0_linear(x: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's product in float64 over GGML's bytes: x rounded to Q8_0 per block of 32
+    (d = max|x| / 127 and q = rint(x * (1 / d)) in float32), the weight (nibble - 8) * d."""
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    d = blocks[..., :2].copy().view("<f2")[..., 0].astype(np.float64)
+    qs = blocks[..., 2:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float64) - 8
+    w = (codes * d[..., None]).reshape(raw.shape[0], -1)
+    xb = x.reshape(x.shape[0], -1, BLOCK).astype(np.float32)
+    dx = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(dx == 0, np.float32(0), np.float32(1) / dx).astype(np.float32)
+    xq = (np.rint(xb * inv).astype(np.float64) * dx).reshape(x.shape)
+    return xq @ w.T
+
+
+LINEAR_CASES = {
+    # a decode row through PEER-90M's fused Q/K/V shape, fewer outputs
+    "linear_decode": LinearCase(1, 512, 96, 10),
+    # a verify of 4 rows and 3 more: blocks not a multiple of 4 (a last, partial quad)
+    "linear_verify": LinearCase(7, 160, 33, 11),
+    # 2 blocks per row (the per-layer input's 64), 12 rows, outputs off every tile
+    "linear_narrow": LinearCase(12, 64, 50, 12),
+    # the MLP's down projection: 64 blocks per row, 2 rows
+    "linear_long": LinearCase(2, 2048, 40, 13),
+}
+
+
 class Op(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return torch.ops.edgemtp.cache_attention(*inputs)
@@ -116,20 +174,27 @@ class OpDrafter(nn.Module):
         return torch.ops.edgemtp.cache_attention(q, k, v, None, None, mask)
 
 
-def _program(cases: dict[str, Case]) -> bytes:
+class LinearOp(nn.Module):
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.edgemtp.q4_0_linear(*inputs)
+
+
+def _program(cases: dict[str, Case], linears: dict[str, LinearCase] | None = None) -> bytes:
     programs = {}
     for name, case in cases.items():
         inputs, _ = case.inputs()
         args = tuple(t for t in inputs if t is not None)
         module = Op() if case.fresh else OpDrafter()
         programs[name] = export_method(module, args)
+    for name, linear in (linears or {}).items():
+        programs[name] = export_method(LinearOp(), linear.inputs())
     manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
     return manager.to_executorch(backend_config()).buffer
 
 
 @pytest.fixture(scope="module")
 def program() -> bytes:
-    return _program(CASES)
+    return _program(CASES, LINEAR_CASES)
 
 
 def test_kernel_matches_numpy_and_reads_only_attended_slots(program):
@@ -142,6 +207,21 @@ def test_kernel_matches_numpy_and_reads_only_attended_slots(program):
         got = loaded.run_method(name, tuple(t for t in inputs if t is not None))[0].numpy()
         assert np.isfinite(got).all(), f"{name}: read a slot the mask blocks or does not cover"
         np.testing.assert_allclose(got, numpy_attention(inputs, allowed), atol=2e-5, err_msg=name)
+
+
+def test_q4_0_kernel_matches_llama_cpp_numerics_in_numpy(program):
+    from executorch.extension.pybindings import portable_lib
+
+    kernels.load()
+    loaded = portable_lib._load_for_executorch_from_buffer(program)
+    for name, case in LINEAR_CASES.items():
+        x, raw = case.ggml()
+        want = numpy_q4_0_linear(x.numpy(), raw)
+        got = loaded.run_method(name, case.inputs())[0].numpy()
+        # integer block sums: only the float32 sums of the blocks' products differ
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        eager = q4_0_linear(*case.inputs()).numpy()  # what the reference engine runs
+        np.testing.assert_allclose(eager, want, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_eager_op_matches_numpy():
@@ -211,13 +291,16 @@ def test_program_needing_kernels_without_a_compiler_fails_in_one_line(tmp_path):
 )
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])  # AVX2 + F16C (8 lanes); SSE2 (4)
 def test_kernel_built_for_narrower_vectors_matches_numpy(program, tmp_path, arch):
-    """The kernel's other vector paths (8 lanes with F16C widening, 4 lanes with the generic
-    widening and lane sums), as a machine without AVX-512 builds it: each in its own process,
+    """The kernels' other vector paths (attention: 8 lanes with F16C widening, 4 lanes with the
+    generic widening and lane sums; the Q4_0 linear's portable loops), as a machine without
+    AVX-512 builds them: each in its own process,
     since a second library registering the same kernel in this one would abort."""
     flags = [f for f in kernels.FLAGS if not f.startswith(("-march", "-mprefer-vector-width"))]
     library = kernels.build(tmp_path / "cache", (f"-march={arch}", *flags))
     (tmp_path / "model.pte").write_bytes(program)
-    torch.save({n: c.inputs()[0] for n, c in CASES.items()}, tmp_path / "inputs.pt")
+    inputs = {n: c.inputs()[0] for n, c in CASES.items()}
+    inputs.update({n: c.inputs() for n, c in LINEAR_CASES.items()})
+    torch.save(inputs, tmp_path / "inputs.pt")
     script = textwrap.dedent(
         f"""
         import ctypes, torch
@@ -239,4 +322,13 @@ def test_kernel_built_for_narrower_vectors_matches_numpy(program, tmp_path, arch
         assert np.isfinite(got).all(), f"{name} ({arch}): read a slot it must not"
         np.testing.assert_allclose(
             got, numpy_attention(inputs, allowed), atol=2e-5, err_msg=f"{name} ({arch})"
+        )
+    for name, linear in LINEAR_CASES.items():
+        x, raw = linear.ggml()
+        np.testing.assert_allclose(
+            outputs[name].numpy(),
+            numpy_q4_0_linear(x.numpy(), raw),
+            rtol=1e-5,
+            atol=1e-5,
+            err_msg=f"{name} ({arch})",
         )

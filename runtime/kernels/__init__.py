@@ -2,6 +2,8 @@
 
 `cache_attention.cpp` is `edgemtp::cache_attention.out`: attention of a few rows over the
 static KV cache that reads only the slots the mask lets some row attend to (see the file).
+`q4_0_linear.cpp` is `edgemtp::q4_0_linear.out`: a few rows times a GGML Q4_0 weight as
+llama.cpp computes it (Q8_0 activations, signed block scales).
 ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
 library linked to that same file registers its kernels there when it is loaded. So `load()`
 compiles the sources once per source, compiler and ExecuTorch installation into
@@ -25,8 +27,11 @@ from pathlib import Path
 from edgemtp.errors import EdgeMTPError
 from edgemtp.files import staged_folder
 
-SOURCES = (Path(__file__).with_name("cache_attention.cpp"),)
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cache_attention.cpp", "q4_0_linear.cpp")
+)
 CACHE_ATTENTION = "edgemtp::cache_attention.out"  # as a program (and a manifest) names it
+Q4_0_LINEAR = "edgemtp::q4_0_linear.out"
 BUILD_CACHE = Path.home() / ".cache" / "edgemtp" / "kernels"
 LIBRARY = "libedgemtp_kernels.so"
 C10_HEADERS = "include/executorch/runtime/core/portable_type/c10"  # the c10 ExecuTorch vendors
