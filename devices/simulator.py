@@ -48,7 +48,7 @@ from edgemtp.model.cost import (
 )
 from edgemtp.runtime.adaptive import expected_committed
 from edgemtp.runtime.bench import acceptance_by_position
-from edgemtp.runtime.kernels import CACHE_ATTENTION
+from edgemtp.runtime.kernels import CACHE_ATTENTION, CACHE_ATTENTION_ROWS
 from edgemtp.runtime.kv_cache import cache_bytes, cache_slots
 
 # Operators per decoder layer an exported XNNPACK program dispatches, when no bundle says (the
@@ -536,7 +536,10 @@ def model_from_bundle(bundle: Path) -> Model:
         any(name.startswith("prefill_final_ctx") for name in manifest["methods"]),
         moved,
         float_linear_flops(manifest),
-        CACHE_ATTENTION in manifest["backend_details"].get("kernels", []),
+        bool(
+            {CACHE_ATTENTION, CACHE_ATTENTION_ROWS}
+            & set(manifest["backend_details"].get("kernels", []))
+        ),
         2 if any(b["dtype"] == "float16" for b in manifest["cache"]["buffers"]) else 4,
     )
 

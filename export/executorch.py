@@ -12,7 +12,9 @@ Delegates:
   module that read the same input (Q/K/V, gate/up) run as one such linear. With edgemtp's
   kernels (`--attention kernel`), a Q4_0 linear's decode, verify and draft steps run in
   `edgemtp::q4_0_linear` instead, over the checkpoint's blocks as they are: one
-  operator where XNNPACK needs five (benchmarks/README.md). Other linears stay fp32. The
+  operator where XNNPACK needs five (benchmarks/README.md); a down or per-layer input
+  projection takes its GELU gate too (`edgemtp::q4_0_gated_linear`), so gate and up stay two
+  kernel calls there rather than one fused linear. Other linears stay fp32. The
   assistant's clustered head gathers LM-head rows by token id (no linear can do that): from
   the int4 codes when there are some, dequantized exactly in fp32.
 - `metal` / `npu`: Core ML through ExecuTorch's Core ML delegate (compute units CPU_AND_GPU /
@@ -197,9 +199,20 @@ class Int4Linear(nn.Module):
         zeros = w.zeros.to(torch.int16) - 8
         return cls(codes, w.scales, zeros, w.group, dynamic_int8=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _kernel_call(self, x: Tensor) -> bool:
+        """Whether a call on `x` runs in edgemtp's Q4_0 kernel (see `with_q4_0_kernel`)."""
         few = x.numel() <= KERNEL_MAX_ROWS * self.in_features
-        if self.nibbles is not None and few and not in_prompt_chunk():
+        return self.nibbles is not None and few and not in_prompt_chunk()
+
+    def gated(self, gate: Tensor, up: Tensor) -> Tensor:
+        """self(gelu_tanh(gate) * up) (`model.gemma4.gated_projection`): one kernel call where
+        the kernel runs, the gate formed as it quantizes the rows."""
+        if self._kernel_call(gate):
+            return torch.ops.edgemtp.q4_0_gated_linear(gate, up, self.nibbles, self.half_scales)
+        return self(F.gelu(gate, approximate="tanh") * up)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._kernel_call(x):
             return torch.ops.edgemtp.q4_0_linear(x, self.nibbles, self.half_scales)
         if x.dim() == 1:  # activations are quantized per row of a matrix
             return self.forward(x[None])[0]
@@ -274,8 +287,11 @@ class Int4ClusteredHead(ClusteredHead):
 
 
 # Linears of one module that read the same input, fused into one 8da4w linear each: per
-# owning attention layer Q, K and V; per MLP gate and up.
-SHARED_INPUT_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# owning attention layer Q, K and V; per MLP gate and up. Not gate and up where the Q4_0 kernel
+# runs the steps: the down projection takes them apart (`Int4Linear.gated`), and cutting
+# their columns out of one product would put a delegate call between the kernels.
+QKV_LINEARS = ("q_proj", "k_proj", "v_proj")
+SHARED_INPUT_LINEARS = (QKV_LINEARS, ("gate_proj", "up_proj"))
 
 
 class FusedInt4Linear(Int4Linear):
@@ -322,13 +338,15 @@ class Int4Columns(nn.Module):
         return self.fused(x)[..., self.start : self.end]
 
 
-def fuse_shared_input_linears(model: nn.Module) -> int:
-    """Fuse (in place) the members of each group of `SHARED_INPUT_LINEARS` that a module has,
-    when there are two or more and all are 8da4w linears (a KV-shared layer has only Q; a
-    layer whose values are its keys has Q and K). Returns how many linears were folded."""
+def fuse_shared_input_linears(
+    model: nn.Module, groups: tuple[tuple[str, ...], ...] = SHARED_INPUT_LINEARS
+) -> int:
+    """Fuse (in place) the members of each of `groups` that a module has, when there are two
+    or more and all are 8da4w linears (a KV-shared layer has only Q; a layer whose values are
+    its keys has Q and K). Returns how many linears were folded."""
     folded = 0
     for module in list(model.modules()):
-        for group in SHARED_INPUT_LINEARS:
+        for group in groups:
             names = [n for n in group if getattr(module, n, None) is not None]
             parts = [getattr(module, n) for n in names]
             if len(parts) < 2 or not all(
@@ -413,7 +431,8 @@ def xnnpack_forms(model: nn.Module, role: str = "", attention: str = "kernel") -
             module.register_buffer("mean_weight", torch.full((1, d), 1.0 / d), persistent=False)
             module.register_buffer("eps_bias", torch.tensor([module.eps]), persistent=False)
     stats = swap_int4(model, partial(Int4Linear.xnnpack, q4_0_kernel=attention == "kernel"), role)
-    stats["fused_linears"] = fuse_shared_input_linears(model)
+    groups = (QKV_LINEARS,) if attention == "kernel" else SHARED_INPUT_LINEARS
+    stats["fused_linears"] = fuse_shared_input_linears(model, groups)
     stats["q4_0_kernel_linears"] = sum(
         isinstance(m, Int4Linear) and m.nibbles is not None for m in model.modules()
     )
@@ -702,7 +721,9 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
                 "(edgemtp::q4_0_linear, llama.cpp's numerics): the checkpoint's blocks as they "
                 "are (codes, signed fp16 scales; no offset pair), the activations rounded to "
                 "Q8_0 (per block of 32, d = max|x| / 127), int32 block sums times scale * d, "
-                "summed in fp32; prompt chunks as 8da4w below"
+                "summed in fp32; the down and per-layer input projections form their input "
+                "gelu_tanh(gate) * up in the kernel (edgemtp::q4_0_gated_linear, fp32, exp "
+                "within 2 ulp) before rounding it; prompt chunks as 8da4w below"
             )
         if stats["offset_blocks"]:
             out["offsets"] = (

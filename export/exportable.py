@@ -136,11 +136,11 @@ class ExportAttention(Attention):
         q = self.q_proj(x).view(t, -1, hd)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(0, 1)  # [heads, T, hd]
         group = q.shape[0] // kvh
-        out = self.attend(q.reshape(kvh, group * t, hd), ks, vs, mask, group)
-        return self.o_proj(out.view(kvh * group, t, hd).transpose(0, 1).reshape(t, -1))
+        return self.o_proj(self.attend(q.reshape(kvh, group * t, hd), ks, vs, mask, group))
 
     def attend(self, q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
-        return segment_attention(q, ks, vs, mask, group)
+        """[rows, heads * head_dim]: what the output projection reads."""
+        return heads_to_rows(segment_attention(q, ks, vs, mask, group), mask.shape[0])
 
 
 KERNEL_MAX_ROWS = 8  # more rows (prefill chunks): XNNPACK's batched matmuls are faster
@@ -156,8 +156,13 @@ class KernelAttention(ExportAttention):
     def attend(self, q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
         own = (ks[1], vs[1]) if len(ks) == 2 else (None, None)
         if mask.shape[0] > KERNEL_MAX_ROWS:
-            return cache_attention(q, ks[0], vs[0], *own, mask)
-        return torch.ops.edgemtp.cache_attention(q, ks[0], vs[0], *own, mask)
+            return cache_attention_rows(q, ks[0], vs[0], *own, mask)
+        return torch.ops.edgemtp.cache_attention_rows(q, ks[0], vs[0], *own, mask)
+
+
+def heads_to_rows(out: Tensor, rows: int) -> Tensor:
+    """Attention output [kv_heads, group * rows, head_dim] as [rows, heads * head_dim]."""
+    return out.view(-1, rows, out.shape[-1]).transpose(0, 1).reshape(rows, -1)
 
 
 def segment_attention(q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
@@ -224,6 +229,31 @@ torch.library.register_fake(
 )
 
 
+_LIBRARY.define("cache_attention_rows" + CACHE_ATTENTION + " -> Tensor")
+_LIBRARY.define(
+    "cache_attention_rows.out" + CACHE_ATTENTION[:-1] + ", *, Tensor(a!) out) -> Tensor(a!)"
+)
+
+
+def cache_attention_rows(*args: Tensor | None) -> Tensor:
+    """`cache_attention` as [rows, heads * head_dim] (`edgemtp::cache_attention_rows`: the
+    kernel writes that layout, so no transpose runs before the output projection)."""
+    return heads_to_rows(cache_attention(*args), args[-1].shape[0])  # type: ignore[arg-type,union-attr]
+
+
+def _cache_attention_rows_out(*args: Tensor | None, out: Tensor) -> Tensor:
+    return out.copy_(cache_attention_rows(*args))
+
+
+_LIBRARY.impl("cache_attention_rows", cache_attention_rows, "CompositeExplicitAutograd")
+_LIBRARY.impl("cache_attention_rows.out", _cache_attention_rows_out, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "edgemtp::cache_attention_rows",
+    lambda q, k, v, k_new, v_new, mask: q.new_empty(mask.shape[0], q.numel() // mask.shape[0]),
+    lib=_LIBRARY,
+)
+
+
 Q4_0_LINEAR = "(Tensor x, Tensor nibbles, Tensor scales)"
 _LIBRARY.define("q4_0_linear" + Q4_0_LINEAR + " -> Tensor")
 _LIBRARY.define("q4_0_linear.out" + Q4_0_LINEAR[:-1] + ", *, Tensor(a!) out) -> Tensor(a!)")
@@ -247,6 +277,34 @@ _LIBRARY.impl("q4_0_linear.out", _q4_0_linear_out, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "edgemtp::q4_0_linear",
     lambda x, nibbles, scales: x.new_empty(*x.shape[:-1], nibbles.shape[0]),
+    lib=_LIBRARY,
+)
+
+
+Q4_0_GATED_LINEAR = "(Tensor gate, Tensor up, Tensor nibbles, Tensor scales)"
+_LIBRARY.define("q4_0_gated_linear" + Q4_0_GATED_LINEAR + " -> Tensor")
+_LIBRARY.define(
+    "q4_0_gated_linear.out" + Q4_0_GATED_LINEAR[:-1] + ", *, Tensor(a!) out) -> Tensor(a!)"
+)
+
+
+def q4_0_gated_linear(gate: Tensor, up: Tensor, nibbles: Tensor, scales: Tensor) -> Tensor:
+    """What `edgemtp::q4_0_gated_linear` computes: `q4_0_linear` of gelu_tanh(gate) * up (a
+    gated projection's input formed in the kernel, so no delegate runs between the two)."""
+    return q4_0_linear(F.gelu(gate, approximate="tanh") * up, nibbles, scales)
+
+
+def _q4_0_gated_linear_out(
+    gate: Tensor, up: Tensor, nibbles: Tensor, scales: Tensor, *, out: Tensor
+) -> Tensor:
+    return out.copy_(q4_0_gated_linear(gate, up, nibbles, scales))
+
+
+_LIBRARY.impl("q4_0_gated_linear", q4_0_gated_linear, "CompositeExplicitAutograd")
+_LIBRARY.impl("q4_0_gated_linear.out", _q4_0_gated_linear_out, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "edgemtp::q4_0_gated_linear",
+    lambda gate, up, nibbles, scales: gate.new_empty(*gate.shape[:-1], nibbles.shape[0]),
     lib=_LIBRARY,
 )
 

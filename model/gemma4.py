@@ -152,6 +152,15 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
 
+def gated_projection(proj: nn.Module, gate: Tensor, up: Tensor) -> Tensor:
+    """proj(gelu_tanh(gate) * up): the MLP's down projection and the per-layer input's. A
+    projection with a `gated` form (edgemtp's Q4_0 kernel) computes it in one call."""
+    gated = getattr(proj, "gated", None)
+    if gated is not None:
+        return gated(gate, up)
+    return proj(F.gelu(gate, approximate="tanh") * up)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -160,7 +169,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return gated_projection(self.down_proj, self.gate_proj(x), self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -205,8 +214,10 @@ class DecoderLayer(nn.Module):
         h = h + self.post_attention_layernorm(self.self_attn(x, cos, sin, k, v, mask))
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.has_ple:
-            gated = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * ple
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            gate = self.per_layer_input_gate(h)
+            h = h + self.post_per_layer_input_norm(
+                gated_projection(self.per_layer_projection, gate, ple)
+            )
         return h * self.layer_scalar, (k, v), new_kv
 
 

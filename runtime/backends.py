@@ -18,8 +18,7 @@ trace can show them.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,6 +38,23 @@ PREFILL_CHUNK = 512  # reference prefill rows per forward
 DEFAULT_CONTEXT = 4096  # reference cache size when none is given (export's default too)
 
 
+class _Phase:
+    """A `with` block's seconds, added to a meter's phase (a plain class: a decode step enters
+    a few of these, and a generator-based context manager costs several times as much)."""
+
+    __slots__ = ("seconds", "name", "start")
+
+    def __init__(self, seconds: dict[str, float], name: str):
+        self.seconds, self.name = seconds, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        elapsed = time.perf_counter() - self.start
+        self.seconds[self.name] = self.seconds.get(self.name, 0.0) + elapsed
+
+
 @dataclass
 class Meter:
     """Seconds per phase (embed, target, drafter) and bytes moved by the host, accumulated."""
@@ -46,20 +62,15 @@ class Meter:
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_moved: int = 0
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+    def phase(self, name: str) -> _Phase:
+        return _Phase(self.seconds, name)
 
     def snapshot(self) -> tuple[dict[str, float], int]:
         return dict(self.seconds), self.bytes_moved
 
 
 def tensor_bytes(*tensors: Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return sum(t.nbytes for t in tensors if t is not None)
 
 
 class Backend(Protocol):
@@ -327,7 +338,7 @@ class StaticBackend:
             method, *self._padded(torch.tensor(ids), position, len(ids) + pad)
         )
         self.rings.wrote(position + len(ids))
-        return logits[pad:], hidden[pad:]
+        return (logits[pad:], hidden[pad:]) if pad else (logits, hidden)
 
     def draft_step(
         self, token: int, hidden: Tensor, position: int

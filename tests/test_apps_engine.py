@@ -493,7 +493,8 @@ def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
     ) == 0  # fmt: skip
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend_details"]["kernels"] == [
-        "edgemtp::cache_attention.out",
+        "edgemtp::cache_attention_rows.out",
+        "edgemtp::q4_0_gated_linear.out",
         "edgemtp::q4_0_linear.out",
     ]
     return out

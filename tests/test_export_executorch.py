@@ -521,15 +521,23 @@ def test_every_linear_is_delegated_to_xnnpack(checkpoints, lowered, scheme):
     assert "8da4w" in result.numerics["weights"] and "exact" in result.numerics["weights"]
     # Q4_0 linears of decode, verify and draft steps in edgemtp's kernel; prompt chunks (8 rows,
     # as many as a verify may have) in XNNPACK's 8da4w GEMM
-    kernel_calls = {
-        name: method["portable_ops"].get("edgemtp.q4_0_linear.default", 0)
-        for name, method in details["delegation"].items()
-    }
+    kernel_calls, gated_calls = (
+        {
+            name: method["portable_ops"].get(f"edgemtp.{op}.default", 0)
+            for name, method in details["delegation"].items()
+        }
+        for op in ("q4_0_linear", "q4_0_gated_linear")
+    )
     if scheme == "q4_0":
         assert kernel_calls["verify_0"] == kernel_calls["verify_4"] > 0
         assert kernel_calls["draft_step"] > 0
         assert kernel_calls["prefill_final"] == kernel_calls["prefill_intermediate"] == 0
         assert "edgemtp::q4_0_linear.out" in details["kernels"]
+        # every MLP's down projection (and per-layer input projection) takes its gate in the
+        # kernel: no gate/up fusion, no GELU between the kernels
+        layers = len(target.model.layers)
+        assert gated_calls["verify_0"] == gated_calls["verify_4"] >= layers
+        assert gated_calls["prefill_final"] == gated_calls["prefill_intermediate"] == 0
         assert "Q8_0" in result.numerics["q4_0_kernel"]
     assert "int8" in result.numerics["activations"]
 

@@ -1,9 +1,11 @@
 """edgemtp's own ExecuTorch kernels, built on this machine against the installed runtime.
 
 `cache_attention.cpp` is `edgemtp::cache_attention.out`: attention of a few rows over the
-static KV cache that reads only the slots the mask lets some row attend to (see the file).
+static KV cache that reads only the slots the mask lets some row attend to (see the file), and
+`cache_attention_rows.out`, the same written as the output projection reads it.
 `q4_0_linear.cpp` is `edgemtp::q4_0_linear.out`: a few rows times a GGML Q4_0 weight as
-llama.cpp computes it (Q8_0 activations, signed block scales).
+llama.cpp computes it (Q8_0 activations, signed block scales), and `q4_0_gated_linear.out`,
+the same for the input gelu_tanh(gate) * up.
 ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
 library linked to that same file registers its kernels there when it is loaded. So `load()`
 compiles the sources once per source, compiler and ExecuTorch installation into
@@ -31,7 +33,9 @@ SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("cache_attention.cpp", "q4_0_linear.cpp")
 )
 CACHE_ATTENTION = "edgemtp::cache_attention.out"  # as a program (and a manifest) names it
+CACHE_ATTENTION_ROWS = "edgemtp::cache_attention_rows.out"  # bundles since the gated kernel
 Q4_0_LINEAR = "edgemtp::q4_0_linear.out"
+Q4_0_GATED_LINEAR = "edgemtp::q4_0_gated_linear.out"
 BUILD_CACHE = Path.home() / ".cache" / "edgemtp" / "kernels"
 LIBRARY = "libedgemtp_kernels.so"
 C10_HEADERS = "include/executorch/runtime/core/portable_type/c10"  # the c10 ExecuTorch vendors

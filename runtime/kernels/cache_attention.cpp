@@ -20,6 +20,10 @@
 //   mask     [rows, keys]                        additive: 0 attends, <= -1e29 blocked; the
 //                                                cache's first keys - fresh slots are read
 //   out      [kv_heads, group * rows, head_dim]
+// edgemtp::cache_attention_rows.out is the same attention with out [rows, kv_heads * group *
+// head_dim]: row t holds every head's output for mask row t (head kv * group + g from query
+// row g * rows + t), the input layout of the output projection, so no transpose (a delegate
+// call of its own in a program) runs between the kernel and that projection.
 // Scores are q . k (scale 1.0). A row that every key blocks gets zeros (the static programs
 // never build one).
 
@@ -287,8 +291,9 @@ struct Call {
   }
 };
 
+// `by_rows`: out as [rows, heads * dim] (cache_attention_rows) instead of [kv_heads, q_rows, dim].
 template <typename T>
-void attend(const Call<T>& call, int64_t kv_heads, float* out) {
+void attend(const Call<T>& call, int64_t kv_heads, float* out, bool by_rows) {
   const int64_t q_rows = call.q_rows, dim = call.dim, chunks = call.chunks;
   const int64_t tasks = kv_heads * chunks;
   const int64_t stride = q_rows * (dim + 2);  // one Partial's floats
@@ -306,7 +311,9 @@ void attend(const Call<T>& call, int64_t kv_heads, float* out) {
     for (int64_t r = 0; r < q_rows; ++r) {
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partial(head * chunks + c).max[r]);
-      float* o = out + (head * q_rows + r) * dim;
+      const int64_t group = q_rows / call.rows, t = r % call.rows;
+      float* o = by_rows ? out + ((t * kv_heads + head) * group + r / call.rows) * dim
+                         : out + (head * q_rows + r) * dim;
       std::fill(o, o + dim, 0.0f);
       float total = 0;
       for (int64_t c = 0; c < chunks; ++c) {
@@ -325,11 +332,9 @@ void attend(const Call<T>& call, int64_t kv_heads, float* out) {
   }
 }
 
-}  // namespace
-
-Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache,
-                            const Tensor& v_cache, const optional<Tensor>& k_new,
-                            const optional<Tensor>& v_new, const Tensor& mask, Tensor& out) {
+Tensor& attention(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache,
+                  const Tensor& v_cache, const optional<Tensor>& k_new,
+                  const optional<Tensor>& v_new, const Tensor& mask, Tensor& out, bool by_rows) {
   ET_KERNEL_CHECK(ctx, q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, InvalidArgument,
                   out);
   ET_KERNEL_CHECK(ctx, k_new.has_value() == v_new.has_value() && mask.dim() == 2, InvalidArgument,
@@ -359,8 +364,13 @@ Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Te
                         x.size(0) == kv_heads && x.size(1) == fresh && x.size(2) == dim,
                     InvalidArgument, out);
   }
-  ET_KERNEL_CHECK(ctx, executorch::runtime::resize_tensor(out, q.sizes()) ==
-                           executorch::runtime::Error::Ok,
+  const executorch::aten::SizesType row_sizes[2] = {
+      static_cast<executorch::aten::SizesType>(rows),
+      static_cast<executorch::aten::SizesType>(kv_heads * q_rows / rows * dim)};
+  ET_KERNEL_CHECK(ctx,
+                  (by_rows ? executorch::runtime::resize_tensor(out, {row_sizes, 2})
+                           : executorch::runtime::resize_tensor(out, q.sizes())) ==
+                      executorch::runtime::Error::Ok,
                   InvalidArgument, out);
 
   const float* kn = fresh ? k_new->const_data_ptr<float>() : nullptr;
@@ -371,7 +381,7 @@ Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Te
     using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
     const Call<T> call{q.const_data_ptr<float>(), k, v, own_k, own_v, mask.const_data_ptr<float>(),
                        q_rows, dim, rows, keys, cached, fresh, slots, chunks};
-    attend(call, kv_heads, od);
+    attend(call, kv_heads, od, by_rows);
   };
   if (cache_type == ScalarType::Half) {
     using executorch::aten::Half;  // IEEE binary16 storage, as _Float16
@@ -391,6 +401,22 @@ Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Te
   return out;
 }
 
+}  // namespace
+
+Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache,
+                            const Tensor& v_cache, const optional<Tensor>& k_new,
+                            const optional<Tensor>& v_new, const Tensor& mask, Tensor& out) {
+  return attention(ctx, q, k_cache, v_cache, k_new, v_new, mask, out, false);
+}
+
+Tensor& cache_attention_rows_out(KernelRuntimeContext& ctx, const Tensor& q,
+                                 const Tensor& k_cache, const Tensor& v_cache,
+                                 const optional<Tensor>& k_new, const optional<Tensor>& v_new,
+                                 const Tensor& mask, Tensor& out) {
+  return attention(ctx, q, k_cache, v_cache, k_new, v_new, mask, out, true);
+}
+
 }  // namespace edgemtp
 
 EXECUTORCH_LIBRARY(edgemtp, "cache_attention.out", edgemtp::cache_attention_out);
+EXECUTORCH_LIBRARY(edgemtp, "cache_attention_rows.out", edgemtp::cache_attention_rows_out);

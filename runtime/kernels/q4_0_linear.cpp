@@ -20,6 +20,11 @@
 //                                     high nibble (GGML's block_q4_0.qs)
 //   scales  float16 [out, in / 32]    GGML's block_q4_0.d, any sign
 //   out     float32 [..., out]
+//
+// edgemtp::q4_0_gated_linear.out is the same product for x = gelu_tanh(gate) * up (Gemma's MLP
+// down projection and per-layer input projection, whose input is that gate): computed here
+// while the rows are quantized, it needs no delegate call between the two kernels.
+//   gate, up  float32 [..., in]
 
 #include <algorithm>
 #include <cmath>
@@ -48,6 +53,9 @@ constexpr int64_t kBlockBytes = 16;  // two codes per byte
 constexpr int64_t kQuad = 4;         // blocks per vector step (64 code bytes, 128 weights)
 constexpr int kRows = 4;             // x rows sharing every block of codes loaded
 constexpr int64_t kGrain = 32;       // output rows per task at least
+// and bytes of weight per task at least: below that a hand-off to the thread pool costs more
+// than the rows (a per-layer input's 64-wide projections, 16 KB, run on the calling thread)
+constexpr int64_t kTaskBytes = 32 * 1024;
 constexpr int64_t kTile = 16;        // output rows whose codes all rows of x pass at once
 
 // x's rows as Q8_0, blocks padded with zeros to a multiple of kQuad. The AVX-512 path reads a
@@ -235,41 +243,95 @@ void output_range(const uint8_t* codes, const uint16_t* scales, int64_t in, int6
   }
 }
 
-}  // namespace
-
-Tensor& q4_0_linear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& codes,
-                        const Tensor& scales, Tensor& out) {
+// The checks and the product of both ops: y = x W^T for `rows` rows of x (contiguous, `in`
+// wide); `shape` gives out's leading dims.
+Tensor& linear(KernelRuntimeContext& ctx, const float* x, const Tensor& shape, const Tensor& codes,
+               const Tensor& scales, Tensor& out) {
   ET_KERNEL_CHECK(ctx,
-                  x.scalar_type() == ScalarType::Float && codes.scalar_type() == ScalarType::Byte &&
-                      scales.scalar_type() == ScalarType::Half && x.dim() >= 1 &&
+                  codes.scalar_type() == ScalarType::Byte &&
+                      scales.scalar_type() == ScalarType::Half && shape.dim() >= 1 &&
                       codes.dim() == 2 && scales.dim() == 2,
                   InvalidArgument, out);
-  const int64_t in = x.size(x.dim() - 1), n_out = codes.size(0);
+  const int64_t in = shape.size(shape.dim() - 1), n_out = codes.size(0);
   ET_KERNEL_CHECK(ctx,
                   in % kBlock == 0 && codes.size(1) == in / 2 && scales.size(0) == n_out &&
                       scales.size(1) == in / kBlock,
                   InvalidArgument, out);
   executorch::aten::SizesType sizes[executorch::runtime::kTensorDimensionLimit];
-  for (int64_t i = 0; i < x.dim(); ++i) sizes[i] = x.size(i);
-  sizes[x.dim() - 1] = static_cast<executorch::aten::SizesType>(n_out);
-  ET_KERNEL_CHECK(ctx,
-                  executorch::runtime::resize_tensor(out, {sizes, static_cast<size_t>(x.dim())}) ==
-                      executorch::runtime::Error::Ok,
-                  InvalidArgument, out);
-  const int64_t rows = in ? x.numel() / in : 0;
+  for (int64_t i = 0; i < shape.dim(); ++i) sizes[i] = shape.size(i);
+  sizes[shape.dim() - 1] = static_cast<executorch::aten::SizesType>(n_out);
+  ET_KERNEL_CHECK(
+      ctx,
+      executorch::runtime::resize_tensor(out, {sizes, static_cast<size_t>(shape.dim())}) ==
+          executorch::runtime::Error::Ok,
+      InvalidArgument, out);
+  const int64_t rows = in ? shape.numel() / in : 0;
   thread_local Activations a;
-  quantize(x.const_data_ptr<float>(), rows, in, a);
+  quantize(x, rows, in, a);
   const Q8View view{a.q.data(), a.bias.data(), a.d16.data(), a.quads};
   const auto* c = codes.const_data_ptr<uint8_t>();
   using executorch::aten::Half;  // IEEE binary16, read as its bits
   const auto* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<Half>());
   float* y = out.mutable_data_ptr<float>();
-  executorch::extension::parallel_for(0, n_out, kGrain, [&](int64_t begin, int64_t end) {
+  const int64_t row_bytes = in / 2 + in / kBlock * 2;
+  const int64_t grain = std::max(kGrain, (kTaskBytes + row_bytes - 1) / row_bytes);
+  executorch::extension::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
     output_range(c, s, in, n_out, view, rows, begin, end, y);
   });
   return out;
 }
 
+// exp(v) as 2^n p(r), n = round(v / ln 2), r = v - n ln 2 (ln 2 in two parts), p the degree-6
+// Taylor polynomial (within 2 ulp on |r| <= ln 2 / 2); v clamped to [-87, 88]. Plain float
+// and integer operations, rounding by the 1.5 * 2^23 shift: the loop calling it vectorizes.
+inline float exp_poly(float v) {
+  v = std::min(std::max(v, -87.0f), 88.0f);
+  const float shift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (v * 1.44269504088896341f + shift) - shift;
+  float r = v - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+}  // namespace
+
+Tensor& q4_0_linear_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& codes,
+                        const Tensor& scales, Tensor& out) {
+  ET_KERNEL_CHECK(ctx, x.scalar_type() == ScalarType::Float, InvalidArgument, out);
+  return linear(ctx, x.const_data_ptr<float>(), x, codes, scales, out);
+}
+
+Tensor& q4_0_gated_linear_out(KernelRuntimeContext& ctx, const Tensor& gate, const Tensor& up,
+                              const Tensor& codes, const Tensor& scales, Tensor& out) {
+  ET_KERNEL_CHECK(ctx,
+                  gate.scalar_type() == ScalarType::Float &&
+                      up.scalar_type() == ScalarType::Float && gate.numel() == up.numel(),
+                  InvalidArgument, out);
+  // gelu_tanh(g) = 0.5 g (1 + tanh z) = g sigmoid(2z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+  const float* g = gate.const_data_ptr<float>();
+  const float* u = up.const_data_ptr<float>();
+  const int64_t n = gate.numel();
+  thread_local std::vector<float> x;
+  x.resize(static_cast<size_t>(n));
+  constexpr float k2 = 2 * 0.7978845608028654f, k2c = k2 * 0.044715f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = g[i];
+    x[i] = v * u[i] / (1.0f + exp_poly(-v * (k2 + k2c * v * v)));
+  }
+  return linear(ctx, x.data(), gate, codes, scales, out);
+}
+
 }  // namespace edgemtp
 
 EXECUTORCH_LIBRARY(edgemtp, "q4_0_linear.out", edgemtp::q4_0_linear_out);
+EXECUTORCH_LIBRARY(edgemtp, "q4_0_gated_linear.out", edgemtp::q4_0_gated_linear_out);
