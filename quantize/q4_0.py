@@ -99,8 +99,7 @@ def pack_q4_0(q: Q4_0) -> np.ndarray:
     """
     rows, cols = q.codes.shape
     n = cols // BLOCK
-    codes = q.codes.cpu().contiguous().numpy().reshape(rows, n, BLOCK)
-    nibbles = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << np.uint8(4))
+    nibbles = nibbles_q4_0(q).cpu().numpy().reshape(rows, n, BLOCK // 2)
     d = q.scales.cpu().contiguous().numpy().astype("<f2").view(np.uint8).reshape(rows, n, 2)
     return np.concatenate([d, nibbles], axis=-1).reshape(*q.shape[:-1], n * BLOCK_BYTES)
 

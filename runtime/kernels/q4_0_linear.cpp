@@ -66,7 +66,6 @@ struct Activations {
   std::vector<int8_t> q;      // [rows, quads, 2, 4, 16]: low halves of 4 blocks, high halves
   std::vector<int32_t> bias;  // [rows, quads, 16]: -8 * sum q of block b in lane 4b, else 0
   std::vector<float> d16;     // [rows, quads, 16]: d of block b in lanes 4b..4b+3
-
 };
 
 // What the dot products read of Activations: plain pointers, so that stores to the output
