@@ -32,6 +32,7 @@ from edgemtp.files import staged_folder
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("cache_attention.cpp", "q4_0_linear.cpp")
 )
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_poly.h", "parallel.h"))
 CACHE_ATTENTION = "edgemtp::cache_attention.out"  # as a program (and a manifest) names it
 CACHE_ATTENTION_ROWS = "edgemtp::cache_attention_rows.out"  # bundles since the gated kernel
 Q4_0_LINEAR = "edgemtp::q4_0_linear.out"
@@ -50,7 +51,6 @@ FLAGS = (
     "-shared",
     "-fPIC",
     "-DC10_USING_CUSTOM_GENERATED_MACROS",  # what ExecuTorch's CMake package asks consumers for
-    "-DET_USE_THREADPOOL",  # parallel_for on the threadpool XNNPACK uses
 )
 
 
@@ -78,6 +78,8 @@ def _build_key(cxx: str, flags: tuple[str, ...] = FLAGS) -> str:
         digest.update(part.encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
     return digest.hexdigest()[:16]
 
 

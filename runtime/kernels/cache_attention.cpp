@@ -43,7 +43,9 @@
 
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
-#include <executorch/runtime/kernel/thread_parallel_interface.h>
+
+#include "exp_poly.h"
+#include "parallel.h"
 
 namespace edgemtp {
 namespace {
@@ -273,11 +275,15 @@ struct Call {
       const float* m_row = mask + (r % rows) * keys;
       for (int64_t i = 0; i < n; ++i) s[i] += m_row[live[i]];
       const float m = n ? *std::max_element(s, s + n) : -std::numeric_limits<float>::infinity();
-      float total = 0;
+      // below e^-87 a weight is under float epsilon of the row's largest (1): exactly 0 keeps
+      // every blocked key out of the sum; the loop vectorizes (std::exp was a call per key)
+      const float shift = m > kBlocked ? m : std::numeric_limits<float>::infinity();
       for (int64_t i = 0; i < n; ++i) {
-        s[i] = m > kBlocked ? std::exp(s[i] - m) : 0.0f;
-        total += s[i];
+        const float d = s[i] - shift;
+        s[i] = d > -87.0f ? exp_poly(d) : 0.0f;
       }
+      float total = 0;
+      for (int64_t i = 0; i < n; ++i) total += s[i];
       state.max[r] = m;
       state.sum[r] = total;
     }
@@ -304,7 +310,7 @@ void attend(const Call<T>& call, int64_t kv_heads, float* out, bool by_rows) {
     float* p = base + task * stride;
     return Partial{p, p + q_rows, p + 2 * q_rows};
   };
-  executorch::extension::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  parallel_tiles(tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) call.chunk(task, partial(task));
   });
   for (int64_t head = 0; head < kv_heads; ++head) {  // merge the chunks' softmaxes

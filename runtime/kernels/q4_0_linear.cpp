@@ -39,7 +39,9 @@
 
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
-#include <executorch/runtime/kernel/thread_parallel_interface.h>
+
+#include "exp_poly.h"
+#include "parallel.h"
 
 namespace edgemtp {
 namespace {
@@ -274,32 +276,10 @@ Tensor& linear(KernelRuntimeContext& ctx, const float* x, const Tensor& shape, c
   float* y = out.mutable_data_ptr<float>();
   const int64_t row_bytes = in / 2 + in / kBlock * 2;
   const int64_t grain = std::max(kGrain, (kTaskBytes + row_bytes - 1) / row_bytes);
-  executorch::extension::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+  parallel_tiles(n_out, grain, [&](int64_t begin, int64_t end) {
     output_range(c, s, in, n_out, view, rows, begin, end, y);
   });
   return out;
-}
-
-// exp(v) as 2^n p(r), n = round(v / ln 2), r = v - n ln 2 (ln 2 in two parts), p the degree-6
-// Taylor polynomial (within 2 ulp on |r| <= ln 2 / 2); v clamped to [-87, 88]. Plain float
-// and integer operations, rounding by the 1.5 * 2^23 shift: the loop calling it vectorizes.
-inline float exp_poly(float v) {
-  v = std::min(std::max(v, -87.0f), 88.0f);
-  const float shift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (v * 1.44269504088896341f + shift) - shift;
-  float r = v - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
 }
 
 }  // namespace
