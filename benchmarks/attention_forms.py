@@ -1,6 +1,7 @@
 """Decode attention over a long cache: the form XNNPACK programs use against the alternatives.
 
     OMP_NUM_THREADS=1 python benchmarks/attention_forms.py [--slots 512,2048,4096] [--repeat 9]
+        [--threads 1] [--idle-us 0]
 
 One decode row of a full-attention layer (`--heads` query heads over one KV head of
 `--head-dim`: PEER-90M's full layers are 4 x 256) against a cache of N slots, every slot
@@ -19,6 +20,10 @@ in this process, interleaved, medians of `--repeat` rounds:
   same over a float16 cache, as kernel bundles store it (checked against eager attention over
   the float16 values);
 - `eager`: the same batched matmuls in eager PyTorch (MKL), as a reference for the hardware.
+
+`--idle-us N` keeps the calling thread busy N µs before each call (not timed), as a decode
+step's other work sits between two kernels: with more than one thread the pool's worker has then
+gone to sleep when a call starts (`threadpool_wake.py`), as it has in a step.
 
 Every form's output is checked against the eager one. Writes OUT/attention_forms.{json,md,png}.
 """
@@ -77,7 +82,17 @@ def eager(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v)
 
 
-def measure(slots: int, heads: int, head_dim: int, repeat: int) -> dict[str, Any]:
+def busy(us: float) -> None:
+    """Keep the calling thread working for `us` µs (not sleeping: as a decode step's delegate
+    call or portable operator keeps it between two kernels, while the pool's worker idles)."""
+    until = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < until:
+        pass
+
+
+def measure(
+    slots: int, heads: int, head_dim: int, repeat: int, idle_us: float = 0.0
+) -> dict[str, Any]:
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama::custom_sdpa)
     from executorch.extension.pybindings import portable_lib
 
@@ -112,10 +127,13 @@ def measure(slots: int, heads: int, head_dim: int, repeat: int) -> dict[str, Any
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeat):
         for name, call in calls.items():
-            start = time.perf_counter()
+            spent = 0.0
             for _ in range(CALLS):
+                busy(idle_us)
+                start = time.perf_counter()
                 call()
-            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+                spent += time.perf_counter() - start
+            samples[name].append(spent / CALLS * 1e6)
     return {
         "slots": slots,
         "cache_bytes": 2 * slots * head_dim * 4,
@@ -132,6 +150,12 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument(
+        "--idle-us",
+        type=float,
+        default=0.0,
+        help="busy the calling thread this long before each call (a step's work between kernels)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     from executorch.extension.pybindings import portable_lib
@@ -143,7 +167,7 @@ def main() -> int:
     portable_lib._unsafe_reset_threadpool(args.threads)
     rows = []
     for slots in (int(s) for s in args.slots.split(",")):
-        rows.append(measure(slots, args.heads, args.head_dim, args.repeat))
+        rows.append(measure(slots, args.heads, args.head_dim, args.repeat, args.idle_us))
         print(f"{slots} slots: " + ", ".join(f"{n} {u:.1f} us" for n, u in rows[-1]["us"].items()))
     command = "python benchmarks/attention_forms.py " + shlex.join(sys.argv[1:])
     forms = list(rows[0]["us"])
@@ -153,7 +177,13 @@ def main() -> int:
         f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}; {machine(args.threads)['cpu']}, "
         f"{args.threads} thread(s)). One row of {args.heads} query heads over one KV head of "
         f"{args.head_dim}, every slot attended; µs per call, medians of {args.repeat} rounds "
-        f"of {CALLS} calls, interleaved.",
+        f"of {CALLS} calls, interleaved"
+        + (
+            f", the calling thread busy {args.idle_us:g} µs before each call"
+            if args.idle_us
+            else ""
+        )
+        + ".",
         "",
         "| slots | K+V MiB | " + " | ".join(forms) + " | bmm GB/s |",
         "|---:|---:|" + "---:|" * len(forms) + "---:|",
