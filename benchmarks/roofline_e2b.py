@@ -16,10 +16,11 @@ process with the same N threads (`--probe`: a float32 array 8x the last-level ca
 again and again, median pass; a fresh process so that its buffer never counts toward the
 session's RSS), then greedy AR decoding of `--tokens` after a fresh random `--prompt`. A
 token's bytes are what the simulator counts for one decode step of this bundle at the run's
-middle position: every weight the program holds at the bits it stores them with (4-bit codes,
-bf16 scales, the offset blocks of negative Q4_0 scales), the LM head included, and the K/V the
-static program reads. Roofline tok/s = bandwidth / bytes per token; each repeat's fraction
-compares the two measured side by side. Peak RSS: this process's high-water mark.
+middle position: every weight at the bits a decode step reads (a kernel bundle's Q4_0 kernel:
+the checkpoint's blocks, 4-bit codes and a float16 scale per 32; otherwise as the program stores
+them: 4-bit codes, bf16 scales, the offset blocks of negative Q4_0 scales), the LM head included,
+and the K/V the static program reads. Roofline tok/s = bandwidth / bytes per token; each
+repeat's fraction compares the two measured side by side. Peak RSS: this process's high-water mark.
 Writes OUT/roofline_e2b.{json,md,png}.
 """
 
@@ -97,12 +98,12 @@ def bytes_per_token(bundle: Path, position: int) -> dict[str, float]:
 
     model = model_from_bundle(bundle)
     rows = range(position, position + 1)
-    work = forward_work(model.target, rows, 1, 1, model.bits, model.cache_keys(position + 1))
+    work = forward_work(model.target, rows, 1, 1, model.step_bits, model.cache_keys(position + 1))
     return {
         "total": work.bytes,
         "weights": work.weight_bytes,
         "kv_cache": work.cache_bytes,
-        "bits_per_weight": model.bits,
+        "bits_per_weight": model.step_bits,
     }
 
 

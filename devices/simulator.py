@@ -93,6 +93,9 @@ class Model:
     # `exportable.KernelAttention`), not every slot of the method's cache
     attended_keys_only: bool = False
     cache_itemsize: int = 4  # bytes per K/V element the program stores (float16: 2)
+    # bits per linear weight the decode, verify and draft steps read where they run another form
+    # than prefill: edgemtp's Q4_0 kernel reads the checkpoint's blocks (`kernel_step_bits`)
+    step_bits_read: float | None = None
 
     @property
     def shapes(self) -> StaticShapes:
@@ -122,6 +125,11 @@ class Model:
     @property
     def bits(self) -> float:
         return self.stored_bits or BITS_PER_WEIGHT[self.quant]
+
+    @property
+    def step_bits(self) -> float:
+        """Bits per linear weight of a decode, verify or draft step."""
+        return self.step_bits_read or self.bits
 
 
 @dataclass(frozen=True)
@@ -400,7 +408,13 @@ def simulate(
     if model.drafter is not None:
         head = model.full_drafter_head
         step = draft_work(
-            model.drafter, cfg, middle, bits, model.cache_keys(middle), head, model.cache_itemsize
+            model.drafter,
+            cfg,
+            middle,
+            model.step_bits,
+            model.cache_keys(middle),
+            head,
+            model.cache_itemsize,
         )
         n = model.drafter.text.num_layers
         launches, counts = _launches(model, "draft_step", n), _kernel_counts(model, "draft_step")
@@ -412,7 +426,13 @@ def simulate(
         method, rows = model.verify(k)
         keys = model.cache_keys(middle + rows, rows)
         verify = forward_work(
-            cfg, range(middle, middle + rows), rows, rows, bits, keys, model.cache_itemsize
+            cfg,
+            range(middle, middle + rows),
+            rows,
+            rows,
+            model.step_bits,
+            keys,
+            model.cache_itemsize,
         )
         counts = _kernel_counts(model, method)
         call = call_terms(verify, unit, dtype, _launches(model, method, layers), *counts)
@@ -541,7 +561,17 @@ def model_from_bundle(bundle: Path) -> Model:
             & set(manifest["backend_details"].get("kernels", []))
         ),
         2 if any(b["dtype"] == "float16" for b in manifest["cache"]["buffers"]) else 4,
+        kernel_step_bits(manifest),
     )
+
+
+def kernel_step_bits(manifest: dict[str, Any]) -> float | None:
+    """Bits per linear weight the few-row steps read where edgemtp's Q4_0 kernel runs every
+    Q4_0 linear of them (`q4_0_kernel_linears`): 4-bit codes and a float16 scale per block of
+    32, no offsets (those stay with the 8da4w form that prompt chunks read). None: as stored."""
+    if manifest["backend_details"].get("q4_0_kernel_linears"):
+        return BITS_PER_WEIGHT["q4_0"]
+    return None
 
 
 def float_linear_flops(manifest: dict[str, Any]) -> dict[str, int]:

@@ -27,6 +27,7 @@ from edgemtp.devices.simulator import (
     call_seconds,
     call_terms,
     float_linear_flops,
+    kernel_step_bits,
     linear_weights,
     mean_acceptance,
     model_from_preset,
@@ -519,3 +520,27 @@ def test_devices_list_names_every_shipped_profile(capsys):
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     for name in ("galaxy-s26-ultra", "pixel-10-pro", "iphone-17-pro", "raspberry-pi-5"):
         assert name in listed
+
+
+def test_steps_through_the_q4_0_kernel_read_its_blocks_and_prompt_chunks_read_8da4w():
+    """A kernel bundle's decode, verify and draft steps read the checkpoint's Q4_0 blocks (4.5
+    bits per weight); its prompt chunks read the 8da4w form with offsets the program stores."""
+    assert kernel_step_bits({"backend_details": {"q4_0_kernel_linears": 85}}) == 4.5
+    assert kernel_step_bits({"backend_details": {"q4_0_kernel_linears": 0}}) is None
+    assert kernel_step_bits({"backend_details": {}}) is None
+    stored = replace(model_from_preset("e2b", "q4_0", 1024, 128, max_draft=3), stored_bits=5.5)
+    kernel = replace(stored, step_bits_read=4.5)
+    assert (stored.step_bits, kernel.step_bits) == (5.5, 4.5)
+    plain = replace(stored, stored_bits=4.5)  # every call at 4.5 bits
+    profile, acceptance = load_profile("galaxy-s26-ultra"), mean_acceptance(0.7, 0.9, 3)
+    runs = {
+        name: simulate(m, profile, "cpu", (0, 2), acceptance, 256, 16)
+        for name, m in (("stored", stored), ("kernel", kernel), ("plain", plain))
+    }
+    assert runs["kernel"].ttft_s == pytest.approx(runs["stored"].ttft_s)
+    assert runs["kernel"].ttft_s > runs["plain"].ttft_s
+    for term in ("verify_0", "verify_2", "draft_step"):
+        assert runs["kernel"].terms[term].seconds == pytest.approx(
+            runs["plain"].terms[term].seconds
+        )
+        assert runs["kernel"].terms[term].seconds < runs["stored"].terms[term].seconds
