@@ -49,6 +49,10 @@ from edgemtp.runtime.probes import physical_memory
 Say = Callable[[str], None]
 SOURCE = "measured: edgemtp devices calibrate"
 VERIFY_PROBE_ROWS = 4  # a verify of 3 drafts
+# The least a fitted per-call or per-operator overhead is written as: a difference of two
+# timings can come out at or under zero when the overhead is below the machine's noise, and a
+# profile takes positive numbers only.
+RESOLUTION_US = 0.01
 
 
 def _median_seconds(run: Callable[[], object], repeat: int) -> list[float]:
@@ -224,7 +228,7 @@ def executorch_node_us(calls: int = 2000) -> float:
     t1, t201 = _interleaved_medians(
         [lambda p=p: [p.forward((x,)) for _ in range(calls)] for p in programs], 5
     )
-    return max((t201 - t1) / calls / 200 * 1e6, 0.0)
+    return max((t201 - t1) / calls / 200 * 1e6, RESOLUTION_US)
 
 
 class ElementwiseMix(torch.nn.Module):
@@ -665,8 +669,8 @@ def onnx_kernels(
     )  # fmt: skip
     per_linear = (per_call_linears[1] - per_call_linears[0]) / (calls // 4) / (linears - 1)
     streaming = sessions[0][1] / (bandwidth[1] * 1e9)
-    linear_us = max((per_linear - streaming - per_node) * 1e6, 0.0)
-    call_us = max((per_call[0] / calls - few * per_node) * 1e6, 0.0)
+    linear_us = max((per_linear - streaming - per_node) * 1e6, RESOLUTION_US)
+    call_us = max((per_call[0] / calls - few * per_node) * 1e6, RESOLUTION_US)
     k, n, count = (64, 256, 8) if quick else NARROW_GEMV
     session, weight_bytes = _nbits_linear(k, n, 1, threads, count)
     x = np.random.default_rng(1).standard_normal((1, k), dtype=np.float32)
@@ -692,7 +696,7 @@ def onnx_kernels(
         "verify_bandwidth_gbs": bandwidth[VERIFY_PROBE_ROWS],
         "int8_tops": tops,
         "ns_per_linear_element": ns_per_linear_element,
-        "dispatch_us": max(per_node * 1e6, 0.01),
+        "dispatch_us": max(per_node * 1e6, RESOLUTION_US),
         "call_us": call_us,
         "linear_us": linear_us,
         "ns_per_gemv_element": gemv_ns,
@@ -852,7 +856,7 @@ def host_costs(quick: bool = False) -> tuple[float, float, float]:
     per_step = statistics.median(
         s.seconds["total"] - s.seconds["target"] for s in result.steps if s.kind == "decode"
     )
-    per_call_us = max(per_step - cfg.vocab_size * ns_per_logit * 1e-9, 0.0) * 1e6
+    per_call_us = max((per_step - cfg.vocab_size * ns_per_logit * 1e-9) * 1e6, RESOLUTION_US)
 
     prompt = [3 + i % (cfg.vocab_size - 3) for i in range(8 * shapes.chunk)]
     outside = []
@@ -1002,7 +1006,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         ),
         "dispatch_us = "
         + _entry(
-            max(per_op, 0.01),
+            max(per_op, RESOLUTION_US),
             src,
             f"ExecuTorch, per XNNPACK operator: programs of 1 and 201 "
             f"chained 64x64 linears on one row, (t201 - t1) / 200; a program call costs "
@@ -1037,7 +1041,11 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         + _entry(host_ns_per_logit, src, "numpy argmax over a 262144-logit row, best median"),
         *([f"host_us_per_row = {_entry(host_row_us, src, HOST_ROW_NOTE)}"] if host_row_us else []),
         "call_us = "
-        + _entry(max(per_call - per_op, 0.0), src, "ExecuTorch program call less its one operator"),
+        + _entry(
+            max(per_call - per_op, RESOLUTION_US),
+            src,
+            "ExecuTorch program call less its one operator",
+        ),
         *_linear_element_line(linear_ns, src, "XNNPACK 8da4w linears", quick),
         *_attention_lines(attention, src, "XNNPACK"),
         "ns_per_portable_element = "
