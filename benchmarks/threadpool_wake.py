@@ -1,6 +1,6 @@
 """What a hand-off to ExecuTorch's thread pool costs after the pool has been idle a while.
 
-    python benchmarks/threadpool_wake.py [--threads 2] [--gaps 0,5,20,100,500,3000] [--rounds 5]
+    python benchmarks/threadpool_wake.py [--threads 2] [--gaps 0,5,20,...,3000] [--rounds 5]
 
 The pool XNNPACK and edgemtp's kernels run on (`executorch::extension::threadpool`, pthreadpool
 inside) lets its workers spin only briefly after a job, then sleep. A decode step hands work to
@@ -8,9 +8,8 @@ it some hundred times with a delegate call or a portable operator in between; wh
 outlasts the spin, the next hand-off waits for a sleeping worker. This times one empty two-item
 job (pthreadpool_parallelize_1d over libc's `free` on a null pointer: no work, only the hand-off
 and the wait for every worker to check in) after the calling thread has busy-waited `gap` µs
-since the previous job. Medians and 90th percentiles of `--rounds` rounds of 200 jobs per gap,
-the gaps interleaved; writes
-OUT/threadpool_wake.{json,md}.
+since the previous job (`attention_forms.busy`). Medians and 90th percentiles of `--rounds`
+rounds of 200 jobs per gap, the gaps interleaved; writes OUT/threadpool_wake.{json,md}.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from attention_forms import busy
 from runtime_backends import machine
 
 RESULTS = Path(__file__).with_name("results")
@@ -63,9 +63,7 @@ def main() -> None:
         for gap in gaps:
             for _ in range(JOBS):
                 job()
-                until = clock() + gap * 1000
-                while clock() < until:
-                    pass
+                busy(gap)
                 start = clock()
                 job()
                 waits[gap].append((clock() - start) / 1000)
