@@ -252,7 +252,7 @@ class Rows(Protocol):
     shape: torch.Size | tuple[int, ...]
     dtype: torch.dtype
 
-    def __getitem__(self, ids: Tensor) -> Tensor: ...
+    def __getitem__(self, ids: Tensor | list[int]) -> Tensor: ...
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
@@ -275,16 +275,22 @@ class TokenTables:
         if self.per_layer is not None:
             self._ple_scale = _rounded(self.ple_dim**0.5, self.per_layer.dtype)
 
-    def embed(self, ids: Tensor) -> Tensor:
-        """Scaled token embeddings [T, hidden] in fp32."""
-        return self.tokens[ids].float() * self._token_scale
+    def embed(self, ids: Tensor | list[int]) -> Tensor:
+        """Scaled token embeddings [T, hidden] in fp32 (ids [T]: a tensor or a list)."""
+        return _scaled_rows(self.tokens, ids, self._token_scale)
 
-    def per_layer_inputs(self, ids: Tensor) -> Tensor | None:
+    def per_layer_inputs(self, ids: Tensor | list[int]) -> Tensor | None:
         """Token-identity part of the per-layer embeddings, [T, layers, ple_dim] fp32."""
         if self.per_layer is None:
             return None
-        rows = self.per_layer[ids].float() * self._ple_scale
-        return rows.view(ids.shape[0], self.num_layers, self.ple_dim)
+        rows = _scaled_rows(self.per_layer, ids, self._ple_scale)
+        return rows.view(len(ids), self.num_layers, self.ple_dim)
+
+
+def _scaled_rows(table: Rows, ids: Tensor | list[int], scale: float) -> Tensor:
+    """`table[ids].float() * scale`, in one step where the table can (`BlockRows.scaled`)."""
+    scaled = getattr(table, "scaled", None)
+    return scaled(ids, scale) if scaled is not None else table[ids].float() * scale
 
 
 class Gemma4Target(nn.Module):

@@ -40,7 +40,7 @@ from edgemtp.model.checkpoint import TensorSource
 from edgemtp.model.config import TextConfig, parse_text_config
 from edgemtp.model.gemma4 import Gemma4Target, Rows
 from edgemtp.quantize.q4_0 import Q4_0, dequantize_q4_0, unpack_q4_0
-from edgemtp.quantize.tables import Q4_0Rows
+from edgemtp.quantize.tables import BlockRows, Q4_0Rows
 
 ARCH = "gemma4"
 Q8_0_BLOCK = 32  # weights per block
@@ -109,21 +109,14 @@ def dequantize_q8_0(
     return torch.from_numpy((q * d).reshape(shape))
 
 
-class Q8_0Rows:
-    """GGML Q8_0 blocks, one row of `cols // 32` blocks per table row (rows dequantized on
-    lookup)."""
+class Q8_0Rows(BlockRows):
+    """GGML Q8_0 blocks: fp16 scale, 32 int8 codes."""
 
-    dtype = torch.float32
+    block_bytes = Q8_0_BLOCK_BYTES
+    symbol = "edgemtp_q8_0_rows"
 
-    def __init__(self, raw: np.ndarray, cols: int):
-        self.raw = raw  # uint8 [rows, cols // 32 * 34], usually memory-mapped
-        self.shape = (raw.shape[0], cols)
-        if cols % Q8_0_BLOCK or raw.shape[1] != cols // Q8_0_BLOCK * Q8_0_BLOCK_BYTES:
-            raise ValueError(f"Q8_0 rows of {raw.shape[1]} bytes cannot hold {cols} columns")
-
-    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = np.asarray(self.raw[ids.numpy()])
-        return dequantize_q8_0(rows, (len(ids), self.shape[1]))
+    def dequantize(self, rows: np.ndarray) -> np.ndarray:
+        return dequantize_q8_0(rows, (rows.shape[0], self.shape[1])).numpy()
 
 
 @dataclass(frozen=True)

@@ -6,29 +6,81 @@ resident memory grows with the rows a prompt touches, not with the table.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from edgemtp.quantize.q4_0 import BLOCK, BLOCK_BYTES, dequantize_q4_0_rows
+from edgemtp.runtime.kernels import table_rows
 
 
-class Q4_0Rows:
-    """GGML Q4_0 blocks, one row of `cols // 32` blocks per table row."""
+class BlockRows:
+    """A table of GGML blocks, one row of `cols // 32` blocks per table row (Q4_0, Q8_0).
+
+    A lookup is one call of `table_rows.cpp` (runtime/kernels) where it could be built, which
+    dequantizes and scales the rows straight into the result; numpy's same arithmetic
+    otherwise (`dequantize`)."""
 
     dtype = torch.float32
+    block_bytes: int
+    symbol: str  # the C lookup's name
 
     def __init__(self, raw: Tensor | np.ndarray, cols: int):
-        self.raw = raw  # uint8 [rows, cols // 32 * 18]
+        self.raw = raw  # uint8 [rows, cols // 32 * block_bytes], usually memory-mapped
         self.shape = (raw.shape[0], cols)
-        if raw.shape[1] != cols // BLOCK * BLOCK_BYTES:
-            raise ValueError(f"Q4_0 rows of {raw.shape[1]} bytes cannot hold {cols} columns")
+        if cols % BLOCK or raw.shape[1] != cols // BLOCK * self.block_bytes:
+            raise ValueError(
+                f"{type(self).__name__} of {raw.shape[1]} bytes per row cannot hold {cols} columns"
+            )
+        contiguous = raw.is_contiguous() if isinstance(raw, Tensor) else raw.flags.c_contiguous
+        address = raw.data_ptr() if isinstance(raw, Tensor) else raw.ctypes.data
+        self._address = address if contiguous and raw.dtype in (np.uint8, torch.uint8) else None
 
-    def __getitem__(self, ids: Tensor) -> Tensor:
-        rows = np.asarray(
-            self.raw[ids.numpy()] if isinstance(self.raw, np.ndarray) else self.raw[ids]
+    def dequantize(self, rows: np.ndarray) -> np.ndarray:
+        """float32 [T, cols] of the byte rows [T, row bytes]."""
+        raise NotImplementedError
+
+    def __getitem__(self, ids: Tensor | list[int]) -> Tensor:
+        return self.scaled(ids, 1.0)
+
+    def scaled(self, ids: Tensor | list[int], scale: float) -> Tensor:
+        """Rows `ids` [T] times `scale` (rounded to float32 after the dequantized value, as
+        `self[ids] * scale` rounds), float32 [T, cols]. A list of ids costs no tensor."""
+        is_list = isinstance(ids, list)
+        library = (
+            table_rows() if self._address is not None and (is_list or ids.dim() == 1) else None
         )
-        return torch.from_numpy(dequantize_q4_0_rows(rows, self.shape[1]))
+        if library is None:
+            at = np.asarray(ids, dtype=np.int64) if is_list else ids.numpy()
+            rows = np.asarray(self.raw[at] if isinstance(self.raw, np.ndarray) else self.raw[ids])
+            found = torch.from_numpy(self.dequantize(rows))
+            return found * scale if scale != 1.0 else found
+        n, (height, cols) = len(ids), self.shape
+        if is_list:
+            ids = (ctypes.c_int64 * n)(*ids)
+            at = ctypes.addressof(ids)
+        else:
+            ids = ids.to(torch.int64).contiguous()
+            at = ids.data_ptr()
+        out = torch.empty(n, cols)
+        done = getattr(library, self.symbol)(
+            self._address, height, at, n, cols, scale, out.data_ptr()
+        )
+        if done != n:
+            raise IndexError(f"id {int(ids[done])} is outside the table's {height} rows")
+        return out
+
+
+class Q4_0Rows(BlockRows):
+    """GGML Q4_0 blocks: fp16 scale, 16 bytes of two 4-bit codes."""
+
+    block_bytes = BLOCK_BYTES
+    symbol = "edgemtp_q4_0_rows"
+
+    def dequantize(self, rows: np.ndarray) -> np.ndarray:
+        return dequantize_q4_0_rows(rows, self.shape[1])
 
 
 class Int8Rows:
@@ -40,7 +92,7 @@ class Int8Rows:
         self.values, self.scales = values, scales  # int8 [rows, cols], [rows]
         self.shape = tuple(values.shape)
 
-    def __getitem__(self, ids: Tensor) -> Tensor:
+    def __getitem__(self, ids: Tensor | list[int]) -> Tensor:
         return self.values[ids].float() * self.scales[ids].float()[:, None]
 
 

@@ -261,6 +261,7 @@ class StaticBackend:
         self.vocab_size = cfg.vocab_size
         self.meter = Meter()
         self.calls: dict[str, int] = {}
+        self._io_bytes: dict[str, int] = {}
         ring = min(shapes.max_context, ring_size(cfg.sliding_window, shapes.max_draft))
         slots = {k: shapes.max_context if k == "full" else ring for k in set(cfg.layer_types)}
         self.rings = RingTracker(slots, cfg.sliding_window)
@@ -271,23 +272,26 @@ class StaticBackend:
         with self.meter.phase("drafter" if method.startswith("draft_step") else "target"):
             out = self.runner.call(method, *inputs)
         copied = getattr(self.runner, "bytes_copied", 0) - before
-        self.meter.bytes_moved += tensor_bytes(*inputs, *out) + copied
+        io = self._io_bytes.get(method)
+        if io is None:  # a method's shapes are static: its inputs and outputs, counted once
+            io = self._io_bytes[method] = tensor_bytes(*inputs, *out)
+        self.meter.bytes_moved += io + copied
         return out
 
-    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def _rows(self, ids: list[int]) -> tuple[Tensor, Tensor]:
         with self.meter.phase("embed"):
             embeds = self.tables.embed(ids)
             ple = self.tables.per_layer_inputs(ids)
         if ple is None:  # the graph takes a placeholder it never reads
-            ple = torch.zeros(ids.shape[0], self.tables.num_layers, 1)
+            ple = torch.zeros(len(ids), self.tables.num_layers, 1)
         return embeds, ple
 
-    def _padded(self, ids: Tensor, position: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _padded(self, ids: list[int], position: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
         """Inputs for `ids` at `position`.. left-padded to `rows`: pad rows have zero inputs
         and the position after the last real row, which sends their K/V to the trash slot."""
-        pad = rows - ids.shape[0]
+        pad = rows - len(ids)
         embeds, ple = self._rows(ids)
-        end = position + ids.shape[0]
+        end = position + len(ids)
         if pad == 0:  # every AR step
             return embeds, ple, torch.arange(position, end)
         positions = torch.cat([torch.full((pad,), end), torch.arange(position, end)])
@@ -308,15 +312,14 @@ class StaticBackend:
         if n == 0:
             raise EdgeMTPError("nothing to prefill: the prompt is empty")
         self._check_fits(start + n)
-        t = torch.tensor(ids)
         last_start = (n - 1) // c * c
         for i in range(0, last_start, c):
-            embeds, ple = self._rows(t[i : i + c])
+            embeds, ple = self._rows(ids[i : i + c])
             method = self._prefill_method(False, start + i + c)
             self._call(method, embeds, ple, torch.arange(start + i, start + i + c))
         hidden, logits = self._call(
             self._prefill_method(True, start + n),
-            *self._padded(t[last_start:], start + last_start, c),
+            *self._padded(ids[last_start:], start + last_start, c),
         )
         self.rings.wrote(start + n)
         return hidden, logits
@@ -334,9 +337,7 @@ class StaticBackend:
         end = position + len(ids)
         self._check_fits(end)
         method, pad = self.shapes.verify_method(len(ids) - 1, end)
-        logits, hidden = self._call(
-            method, *self._padded(torch.tensor(ids), position, len(ids) + pad)
-        )
+        logits, hidden = self._call(method, *self._padded(ids, position, len(ids) + pad))
         self.rings.wrote(position + len(ids))
         return (logits[pad:], hidden[pad:]) if pad else (logits, hidden)
 
@@ -344,7 +345,7 @@ class StaticBackend:
         self, token: int, hidden: Tensor, position: int
     ) -> tuple[Tensor, Tensor, Tensor]:
         with self.meter.phase("embed"):
-            embed = self.tables.embed(torch.tensor([token]))[0]
+            embed = self.tables.embed([token])[0]
         method = self.shapes.draft_method(position)
         return self._call(method, embed, hidden, torch.tensor([position]))  # type: ignore[return-value]
 

@@ -681,10 +681,10 @@ class TokenIdTables:
 
     num_layers = 1
 
-    def embed(self, ids: Tensor) -> Tensor:
-        return ids.to(torch.float32).unsqueeze(-1)
+    def embed(self, ids: Tensor | list[int]) -> Tensor:
+        return torch.as_tensor(ids, dtype=torch.float32).unsqueeze(-1)
 
-    def per_layer_inputs(self, ids: Tensor) -> None:
+    def per_layer_inputs(self, ids: Tensor | list[int]) -> None:
         return None
 
 

@@ -200,29 +200,32 @@ def decode_round(
     backend: Backend,
     token: int,
     hidden: Tensor,
+    row: int,
     position: int,
     k: int,
     params: SamplingParams,
     gen: torch.Generator,
 ) -> tuple[list[int], Tensor, Step]:
-    """One round: (committed tokens, the hidden state to draft from next, the step)."""
+    """One round, drafting from `hidden[row]`: (committed tokens, the verified rows' hidden
+    states, the step). The next round drafts from row `step.accepted` of them; the row is
+    taken only when it drafts (an AR step never needs it, and a tensor op costs here)."""
     drafts, q, choosing = [], None, 0.0
     if k:
         vocab = backend.vocab_size
-        drafts, q, choosing = draft(backend, token, hidden, position, k, params, gen, vocab)
+        drafts, q, choosing = draft(backend, token, hidden[row], position, k, params, gen, vocab)
     logits, rows_hidden = backend.verify([token, *drafts], position)
     t0 = time.perf_counter()
-    drafted = torch.tensor(drafts, dtype=torch.long)
     if params.greedy:
-        n, nxt = greedy_accept(logits, drafted)
+        n, nxt = greedy_accept(logits, drafts)
     else:
         p = probabilities(logits, params)
+        drafted = torch.tensor(drafts, dtype=torch.long)
         n, nxt = speculative_accept(p, q if q is not None else p[:0], drafted, gen)
     choosing += time.perf_counter() - t0
     backend.truncate(position + n + 1)  # keeps: at most k positions back, inside every ring
     step = Step("decode", position, k + 1, drafted=k, accepted=n, committed=n + 1)
     step.seconds["sampling"] = choosing
-    return [*drafts[:n], nxt], rows_hidden[n], step
+    return [*drafts[:n], nxt], rows_hidden, step
 
 
 def decode(
@@ -251,6 +254,7 @@ def decode(
     t_start = time.perf_counter()
     clock = _Clock(backend)
     hidden, logits = backend.prefill(prompt[reused:], reused)
+    hidden, row = hidden[None], 0  # hidden states of the rows last verified, the one to draft from
     t0 = time.perf_counter()
     out = [_choose(logits, params, gen)]
     prefill = clock.step(Step("prefill", reused, len(prompt) - reused), time.perf_counter() - t0)
@@ -270,7 +274,10 @@ def decode(
             break
         limit = min(backend.max_draft, max_new_tokens - len(out) - 1, room - 1)
         k = policy.choose(limit) if backend.has_drafter else 0
-        committed, hidden, step = decode_round(backend, out[-1], hidden, position, k, params, gen)
+        committed, hidden, step = decode_round(
+            backend, out[-1], hidden, row, position, k, params, gen
+        )
+        row = step.accepted
         position += len(committed)
         stops = [i for i, t in enumerate(committed) if t in stop_ids]
         if stops:  # tokens after a stop were committed to the cache: forget them

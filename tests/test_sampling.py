@@ -267,12 +267,12 @@ def _logits_with_argmax(choices: list[int], vocab: int = 10) -> torch.Tensor:
 def test_greedy_accept(drafts: list[int], expected: tuple[int, int]) -> None:
     choices = [3, 1, 4, 5]
     logits = _logits_with_argmax(choices[: len(drafts) + 1])
-    assert greedy_accept(logits, torch.tensor(drafts, dtype=torch.long)) == expected
+    assert greedy_accept(logits, drafts) == expected
 
 
 def test_greedy_accept_checks_shapes() -> None:
     with pytest.raises(ValueError, match="target_logits"):
-        greedy_accept(torch.zeros(2, 5), torch.tensor([1, 2]))
+        greedy_accept(torch.zeros(2, 5), [1, 2])
 
 
 # --- speculative_accept: exact checks --------------------------------------------------------

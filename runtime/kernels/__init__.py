@@ -12,6 +12,8 @@ compiles the sources once per source, compiler and ExecuTorch installation into
 `~/.cache/edgemtp/kernels/<hash>/` (written to a temporary folder, then renamed) and loads the
 result; a program that calls `edgemtp::` operators loads only after that. The apps' C++ core
 compiles the same sources into its runner (apps/core/tests/executorch.cmake).
+`table_rows.cpp` is not an ExecuTorch kernel: the host's lookups of Q4_0 / Q8_0 table rows in
+one C call (`table_rows()`, through ctypes), built the same way into its own small library.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from edgemtp.files import staged_folder
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("cache_attention.cpp", "q4_0_linear.cpp")
 )
+TABLE_ROWS_SOURCE = Path(__file__).with_name("table_rows.cpp")
+TABLE_ROWS_LIBRARY = "libedgemtp_table_rows.so"
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_poly.h", "parallel.h"))
 CACHE_ATTENTION = "edgemtp::cache_attention.out"  # as a program (and a manifest) names it
 CACHE_ATTENTION_ROWS = "edgemtp::cache_attention_rows.out"  # bundles since the gated kernel
@@ -67,7 +71,9 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("clang++")
 
 
-def _build_key(cxx: str, flags: tuple[str, ...] = FLAGS) -> str:
+def _build_key(
+    cxx: str, flags: tuple[str, ...] = FLAGS, sources: tuple[Path, ...] = (*SOURCES, *HEADERS)
+) -> str:
     """Sources, compiler, flags and the very ExecuTorch installation: the library links to
     that one's libexecutorch.so, and loading it beside another copy (a second venv sharing
     this cache) would give the process two kernel registries, and abort."""
@@ -76,16 +82,29 @@ def _build_key(cxx: str, flags: tuple[str, ...] = FLAGS) -> str:
     root = str(executorch_root().resolve())
     for part in (version, metadata.version("executorch"), root, " ".join(flags)):
         digest.update(part.encode())
-    for source in SOURCES:
+    for source in sources:
         digest.update(source.read_bytes())
-    for header in HEADERS:
-        digest.update(header.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def build(cache_dir: Path = BUILD_CACHE, flags: tuple[str, ...] = FLAGS) -> Path:
     """The kernels' shared library, compiled first when this key has none yet. `flags`: this
     machine's by default (the tests also build for narrower vector targets)."""
+    lib_dir = executorch_root() / "lib"
+    link = (f"-L{lib_dir}", "-lexecutorch", "-lexecutorch_threadpool", f"-Wl,-rpath,{lib_dir}")
+    include = (f"-I{executorch_root() / 'include'}", f"-I{executorch_root() / C10_HEADERS}")
+    arguments = (*include, *map(str, SOURCES), *link)
+    return _compiled(LIBRARY, SOURCES, HEADERS, arguments, cache_dir, flags)
+
+
+def _compiled(
+    library_name: str,
+    sources: tuple[Path, ...],
+    headers: tuple[Path, ...],
+    arguments: tuple[str, ...],
+    cache_dir: Path,
+    flags: tuple[str, ...],
+) -> Path:
     cxx = compiler()
     if cxx is None:
         named = os.environ.get("CXX")
@@ -95,25 +114,12 @@ def build(cache_dir: Path = BUILD_CACHE, flags: tuple[str, ...] = FLAGS) -> Path
             f"compiler; {found}: install g++ (apt install g++) or set CXX, or export the "
             "bundle with --attention matmul"
         )
-    folder = cache_dir / _build_key(cxx, flags)
-    library = folder / LIBRARY
+    folder = cache_dir / _build_key(cxx, flags, (*sources, *headers))
+    library = folder / library_name
     if library.exists():
         return library
-    lib_dir = executorch_root() / "lib"
     with staged_folder(folder) as tmp:
-        command = [
-            cxx,
-            *flags,
-            f"-I{executorch_root() / 'include'}",
-            f"-I{executorch_root() / C10_HEADERS}",
-            *map(str, SOURCES),
-            "-o",
-            str(tmp / LIBRARY),
-            f"-L{lib_dir}",
-            "-lexecutorch",
-            "-lexecutorch_threadpool",
-            f"-Wl,-rpath,{lib_dir}",
-        ]
+        command = [cxx, *flags, *arguments, "-o", str(tmp / library_name)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines()
@@ -142,3 +148,29 @@ def unavailable() -> str | None:
     except (EdgeMTPError, OSError) as e:
         return str(e)
     return None
+
+
+@cache
+def table_rows() -> ctypes.CDLL | None:
+    """The table-row library (`table_rows.cpp`) loaded, or None where it cannot be built (no
+    compiler): the lookups then run in numpy, to the same values."""
+    try:
+        source = (TABLE_ROWS_SOURCE,)
+        arguments = tuple(map(str, source))
+        path = _compiled(TABLE_ROWS_LIBRARY, source, (), arguments, BUILD_CACHE, FLAGS)
+        library = ctypes.CDLL(str(path))
+    except (EdgeMTPError, OSError):
+        return None
+    for name in ("edgemtp_q4_0_rows", "edgemtp_q8_0_rows"):
+        function = getattr(library, name)
+        function.argtypes = [
+            ctypes.c_void_p,  # table
+            ctypes.c_int64,  # its rows
+            ctypes.c_void_p,  # ids (int64)
+            ctypes.c_int64,  # how many
+            ctypes.c_int64,  # columns
+            ctypes.c_float,  # scale
+            ctypes.c_void_p,  # out (float32 [n, columns])
+        ]
+        function.restype = ctypes.c_int64
+    return library
