@@ -20,6 +20,8 @@ endif()
 # edgemtp's own ExecuTorch kernels (runtime/kernels: what `--attention kernel` bundles call)
 # register themselves with the runtime when linked in.
 file(GLOB EDGEMTP_KERNELS CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/../../../runtime/kernels/*.cpp)
+# (table_rows.cpp is the Python host's table lookup, not a kernel: the engine has its own.)
+list(FILTER EDGEMTP_KERNELS EXCLUDE REGEX "table_rows\\.cpp$")
 # Compiled as the Python runtime compiles them on this host (runtime/kernels/__init__.py's
 # FLAGS): the same vector code, so this engine's numbers are the Python runtime's bit for bit
 # (another vector width sums in another order, and an 8da4w model's near-ties then flip).
