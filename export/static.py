@@ -25,6 +25,7 @@ positions.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +88,8 @@ class StaticShapes:
 
     def bucket(self, end: int) -> int | None:
         """The smallest context bucket holding positions < `end` (None: the whole cache)."""
-        return next((b for b in self.context_buckets if end <= b), None)
+        i = bisect_left(self.context_buckets, end)  # a decode step asks at every call
+        return self.context_buckets[i] if i < len(self.context_buckets) else None
 
     def verify_method(self, depth: int, end: int | None = None) -> tuple[str, int]:
         """The verify method for a round of `depth` drafts ending before position `end` (None:

@@ -275,22 +275,36 @@ class TokenTables:
         if self.per_layer is not None:
             self._ple_scale = _rounded(self.ple_dim**0.5, self.per_layer.dtype)
 
-    def embed(self, ids: Tensor | list[int]) -> Tensor:
-        """Scaled token embeddings [T, hidden] in fp32 (ids [T]: a tensor or a list)."""
-        return _scaled_rows(self.tokens, ids, self._token_scale)
+    @property
+    def hidden_size(self) -> int:
+        return self.tokens.shape[1]
 
-    def per_layer_inputs(self, ids: Tensor | list[int]) -> Tensor | None:
-        """Token-identity part of the per-layer embeddings, [T, layers, ple_dim] fp32."""
+    def embed(self, ids: Tensor | list[int], out: Tensor | None = None) -> Tensor:
+        """Scaled token embeddings [T, hidden] in fp32 (ids [T]: a tensor or a list), written
+        into `out` when given."""
+        return _scaled_rows(self.tokens, ids, self._token_scale, out)
+
+    def per_layer_inputs(self, ids: Tensor | list[int], out: Tensor | None = None) -> Tensor | None:
+        """Token-identity part of the per-layer embeddings, [T, layers, ple_dim] fp32, written
+        into `out` when given."""
         if self.per_layer is None:
             return None
+        if out is not None:
+            return _scaled_rows(self.per_layer, ids, self._ple_scale, out)
         rows = _scaled_rows(self.per_layer, ids, self._ple_scale)
         return rows.view(len(ids), self.num_layers, self.ple_dim)
 
 
-def _scaled_rows(table: Rows, ids: Tensor | list[int], scale: float) -> Tensor:
-    """`table[ids].float() * scale`, in one step where the table can (`BlockRows.scaled`)."""
+def _scaled_rows(
+    table: Rows, ids: Tensor | list[int], scale: float, out: Tensor | None = None
+) -> Tensor:
+    """`table[ids].float() * scale`, in one step where the table can (`BlockRows.scaled`),
+    into `out` (of the same number of values) when given."""
     scaled = getattr(table, "scaled", None)
-    return scaled(ids, scale) if scaled is not None else table[ids].float() * scale
+    if scaled is not None:
+        return scaled(ids, scale, out)
+    rows = table[ids].float() * scale
+    return rows if out is None else out.copy_(rows.view_as(out))
 
 
 class Gemma4Target(nn.Module):

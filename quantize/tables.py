@@ -45,26 +45,31 @@ class BlockRows:
     def __getitem__(self, ids: Tensor | list[int]) -> Tensor:
         return self.scaled(ids, 1.0)
 
-    def scaled(self, ids: Tensor | list[int], scale: float) -> Tensor:
+    def scaled(self, ids: Tensor | list[int], scale: float, out: Tensor | None = None) -> Tensor:
         """Rows `ids` [T] times `scale` (rounded to float32 after the dequantized value, as
-        `self[ids] * scale` rounds), float32 [T, cols]. A list of ids costs no tensor."""
+        `self[ids] * scale` rounds), float32 [T, cols], written into `out` (contiguous float32
+        of T * cols) when given. A list of ids costs no tensor."""
         is_list = isinstance(ids, list)
         library = (
             table_rows() if self._address is not None and (is_list or ids.dim() == 1) else None
         )
+        n, (height, cols) = len(ids), self.shape
         if library is None:
             at = np.asarray(ids, dtype=np.int64) if is_list else ids.numpy()
             rows = np.asarray(self.raw[at] if isinstance(self.raw, np.ndarray) else self.raw[ids])
             found = torch.from_numpy(self.dequantize(rows))
-            return found * scale if scale != 1.0 else found
-        n, (height, cols) = len(ids), self.shape
+            found = found * scale if scale != 1.0 else found
+            return found if out is None else out.copy_(found.view_as(out))
         if is_list:
             ids = (ctypes.c_int64 * n)(*ids)
             at = ctypes.addressof(ids)
         else:
             ids = ids.to(torch.int64).contiguous()
             at = ids.data_ptr()
-        out = torch.empty(n, cols)
+        if out is None:
+            out = torch.empty(n, cols)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n * cols:
+            raise ValueError(f"out must be contiguous float32 of {n} x {cols} values")
         done = getattr(library, self.symbol)(
             self._address, height, at, n, cols, scale, out.data_ptr()
         )

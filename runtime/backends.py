@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -239,6 +240,19 @@ class Runner(Protocol):
     def call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]: ...
 
 
+@dataclass
+class _RowInputs:
+    """A static method's inputs for one row count, allocated once: a fresh tensor per step
+    costs more than the lookup that fills it (the host runs with cold caches right after each
+    program call)."""
+
+    embeds: Tensor  # [rows, hidden]
+    ple: Tensor  # [rows, layers, ple_dim]
+    positions: Tensor  # [rows] int64
+    position_values: np.ndarray  # positions' memory, written without a torch op
+    has_ple: bool
+
+
 class StaticBackend:
     """A bundle's static methods behind the backend interface.
 
@@ -262,6 +276,7 @@ class StaticBackend:
         self.meter = Meter()
         self.calls: dict[str, int] = {}
         self._io_bytes: dict[str, int] = {}
+        self._row_inputs: dict[int, _RowInputs] = {}
         ring = min(shapes.max_context, ring_size(cfg.sliding_window, shapes.max_draft))
         slots = {k: shapes.max_context if k == "full" else ring for k in set(cfg.layer_types)}
         self.rings = RingTracker(slots, cfg.sliding_window)
@@ -278,26 +293,41 @@ class StaticBackend:
         self.meter.bytes_moved += io + copied
         return out
 
-    def _rows(self, ids: list[int]) -> tuple[Tensor, Tensor]:
-        with self.meter.phase("embed"):
-            embeds = self.tables.embed(ids)
-            ple = self.tables.per_layer_inputs(ids)
-        if ple is None:  # the graph takes a placeholder it never reads
-            ple = torch.zeros(len(ids), self.tables.num_layers, 1)
-        return embeds, ple
-
     def _padded(self, ids: list[int], position: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
         """Inputs for `ids` at `position`.. left-padded to `rows`: pad rows have zero inputs
-        and the position after the last real row, which sends their K/V to the trash slot."""
-        pad = rows - len(ids)
-        embeds, ple = self._rows(ids)
-        end = position + len(ids)
-        if pad == 0:  # every AR step
-            return embeds, ple, torch.arange(position, end)
-        positions = torch.cat([torch.full((pad,), end), torch.arange(position, end)])
-        embeds = torch.cat([embeds.new_zeros(pad, embeds.shape[1]), embeds])
-        ple = torch.cat([ple.new_zeros(pad, *ple.shape[1:]), ple])
-        return embeds, ple, positions
+        and the position after the last real row, which sends their K/V to the trash slot.
+        The tensors are the backend's own for that row count, refilled by its next call."""
+        pad, end = rows - len(ids), position + len(ids)
+        inputs = self._row_inputs.get(rows) or self._allocate(rows)
+        with self.meter.phase("embed"):
+            self.tables.embed(ids, out=inputs.embeds[pad:] if pad else inputs.embeds)
+            if inputs.has_ple:
+                self.tables.per_layer_inputs(ids, out=inputs.ple[pad:] if pad else inputs.ple)
+        if pad:
+            inputs.embeds[:pad] = 0
+            inputs.ple[:pad] = 0
+        values = inputs.position_values
+        if rows == 1:  # every AR step
+            values[0] = position
+        else:
+            values[:pad] = end
+            values[pad:] = np.arange(position, end)
+        return inputs.embeds, inputs.ple, inputs.positions
+
+    def _allocate(self, rows: int) -> _RowInputs:
+        tables = self.tables
+        has_ple = tables.per_layer is not None
+        positions = torch.zeros(rows, dtype=torch.long)
+        inputs = _RowInputs(
+            torch.zeros(rows, tables.hidden_size),
+            # without per-layer inputs the graph takes a placeholder it never reads
+            torch.zeros(rows, tables.num_layers, tables.ple_dim if has_ple else 1),
+            positions,
+            positions.numpy(),
+            has_ple,
+        )
+        self._row_inputs[rows] = inputs
+        return inputs
 
     def _check_fits(self, end: int) -> None:
         if end > self.max_context:
@@ -314,9 +344,8 @@ class StaticBackend:
         self._check_fits(start + n)
         last_start = (n - 1) // c * c
         for i in range(0, last_start, c):
-            embeds, ple = self._rows(ids[i : i + c])
             method = self._prefill_method(False, start + i + c)
-            self._call(method, embeds, ple, torch.arange(start + i, start + i + c))
+            self._call(method, *self._padded(ids[i : i + c], start + i, c))
         hidden, logits = self._call(
             self._prefill_method(True, start + n),
             *self._padded(ids[last_start:], start + last_start, c),
@@ -344,10 +373,12 @@ class StaticBackend:
     def draft_step(
         self, token: int, hidden: Tensor, position: int
     ) -> tuple[Tensor, Tensor, Tensor]:
+        inputs = self._row_inputs.get(1) or self._allocate(1)
         with self.meter.phase("embed"):
-            embed = self.tables.embed([token])[0]
+            self.tables.embed([token], out=inputs.embeds)
+        inputs.position_values[0] = position
         method = self.shapes.draft_method(position)
-        return self._call(method, embed, hidden, torch.tensor([position]))  # type: ignore[return-value]
+        return self._call(method, inputs.embeds[0], hidden, inputs.positions)  # type: ignore[return-value]
 
     def truncate(self, length: int) -> bool:
         return self.rings.truncated(length)

@@ -679,12 +679,15 @@ class TokenIdTables:
     """Embedding tables whose row for a token is the token id itself (exact in float32 below
     2^24), so a replay runner can read which tokens the engine fed. No per-layer inputs."""
 
-    num_layers = 1
+    num_layers = hidden_size = 1
+    per_layer = None
+    ple_dim = 0
 
-    def embed(self, ids: Tensor | list[int]) -> Tensor:
-        return torch.as_tensor(ids, dtype=torch.float32).unsqueeze(-1)
+    def embed(self, ids: Tensor | list[int], out: Tensor | None = None) -> Tensor:
+        rows = torch.as_tensor(ids, dtype=torch.float32).unsqueeze(-1)
+        return rows if out is None else out.copy_(rows)
 
-    def per_layer_inputs(self, ids: Tensor | list[int]) -> None:
+    def per_layer_inputs(self, ids: Tensor | list[int], out: Tensor | None = None) -> None:
         return None
 
 

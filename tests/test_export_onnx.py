@@ -139,11 +139,9 @@ def test_logits_match_eager(exported):
     torch.testing.assert_close(l_onnx, l_ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(h_onnx, h_ref, atol=ATOL, rtol=RTOL)
     ids = torch.tensor([int(l_eager.argmax()), 7, 9])
-    positions = torch.arange(13, 16)
     outs = []
     for driver in (onnx_driver, eager_driver):
-        embeds, ple = driver._rows(ids)
-        logits, hidden = driver.runner.call("verify_2", embeds, ple, positions)
+        logits, hidden = driver.runner.call("verify_2", *driver._padded(ids.tolist(), 13, 3))
         embed = driver.tables.embed(ids[:1])[0]
         draft = driver.runner.call("draft_step", embed, hidden[0], torch.tensor([14]))
         outs.append((logits, hidden, *draft))

@@ -52,6 +52,9 @@ def test_rows_match_gguf_times_the_scale(monkeypatch, fmt, native):
     strided = cls(np.concatenate([raw, raw], axis=1)[:, : raw.shape[1]], 96)
     assert strided._address is None and torch.equal(strided[ids], expected)  # numpy's form
     assert rows.scaled(torch.tensor([], dtype=torch.long), 2.0).shape == (0, 96)
+    out = torch.full((1, 5, 96), float("nan"))  # any contiguous float32 of 5 x 96 values
+    assert rows.scaled(ids, 0.125, out=out) is out
+    assert torch.equal(out.view(5, 96).view(torch.int32), (expected * 0.125).view(torch.int32))
 
 
 def test_a_lookup_outside_the_table_raises(monkeypatch):
@@ -72,3 +75,13 @@ def test_token_tables_scale_rows_as_the_reference_does():
     assert torch.equal(t.embed(ids), t.tokens[ids].float() * t._token_scale)
     expected = (plain[ids].float() * t._ple_scale).view(3, 2, 32)
     assert torch.equal(t.per_layer_inputs(ids), expected)
+    embeds, ple = torch.zeros(3, 64), torch.zeros(3, 2, 32)  # written in place, both table kinds
+    assert t.embed(ids.tolist(), out=embeds) is embeds and torch.equal(embeds, t.embed(ids))
+    assert t.per_layer_inputs(ids, out=ple) is ple and torch.equal(ple, expected)
+
+
+def test_a_lookup_into_a_wrong_buffer_raises():
+    rows = Q4_0Rows(random_blocks(8, 64, 18, seed=4), 64)
+    for out in (torch.zeros(2, 63), torch.zeros(64, 2).t(), torch.zeros(2, 64, dtype=torch.half)):
+        with pytest.raises(ValueError, match="out must be contiguous float32 of 2 x 64 values"):
+            rows.scaled([1, 2], 1.0, out=out)
