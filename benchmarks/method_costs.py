@@ -132,7 +132,7 @@ def time_positions(bundle: Path, threads: int, positions: list[int], repeat: int
         prompt = torch.randint(3, backend.vocab_size, (position,), generator=gen).tolist()
         session.generate(prompt, 1, mtp=0, stop_ids=())
         method, _ = backend.shapes.verify_method(0, position + 1)
-        inputs = backend._padded(torch.tensor([prompt[-1]]), position, 1)
+        inputs = backend._padded([prompt[-1]], position, 1)
         for _ in range(5):
             backend.runner.call(method, *inputs)
         samples = []
