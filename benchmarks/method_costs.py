@@ -7,9 +7,12 @@
 Calls every decode method (verify_K, draft_step; prefill_final and its context buckets' with
 --prefill) with inputs built from the manifest's signatures (positions past the prompt, so
 masks and ring writes are real), interleaved, `--repeat` rounds of `--calls` calls: the
-median ms per call. `--etdump` then loads the program again with ExecuTorch's event tracer and
-splits each method's time by operator type (XNNPACK ops inside the delegates, portable kernels
-outside them, and the per-call overhead: DELEGATE_CALL time not covered by the ops inside it).
+median ms per call (each method of ExecuTorch's `portable_lib` Module owns its cache, which no
+call here fills: its untouched pages are the zero page, so attention reads cost what L1 costs;
+`--positions` times the decode method over a cache the runtime's prefill wrote). `--etdump`
+then loads the program again with ExecuTorch's event tracer and splits each method's time by
+operator type (XNNPACK ops inside the delegates, portable kernels outside them, and the per-call
+overhead: DELEGATE_CALL time not covered by the ops inside it).
 `--against` times another bundle's program (e.g. exported by an earlier commit) interleaved with
 this one: the ratio of a change measured side by side. Writes NAME.json and NAME.md.
 `--positions` times the AR decode method at context positions instead: per position a session
