@@ -284,6 +284,47 @@ def test_table_rows_are_read_only_when_looked_up(tmp_path):
     assert current_rss_mb() - before > 0.5 * table_mb
 
 
+def test_static_backend_refills_its_own_inputs_at_every_call():
+    """A static method's inputs are the backend's tensors for that row count, refilled at each
+    call: a call with fewer real rows than the last one of its size gets zero pad rows at the
+    trash position, never the last call's rows (token-id tables: a row is its id)."""
+    from edgemtp.export.static import StaticShapes
+    from edgemtp.runtime.backends import StaticBackend
+    from edgemtp.runtime.conformance import ReplayConfig, TokenIdTables
+
+    calls: list[tuple[str, list[float], list[int]]] = []
+
+    class Recording:
+        shapes = StaticShapes(max_context=64, max_draft=2, chunk=4)
+        methods = {"prefill_intermediate", "prefill_final", "verify_0", "verify_2", "draft_step"}
+
+        def call(self, method: str, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            embeds, positions = inputs[0], inputs[-1]
+            calls.append((method, embeds.reshape(-1).tolist(), positions.tolist()))
+            if method == "draft_step":
+                return torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.zeros(8)
+            if method.startswith("prefill"):
+                return torch.zeros(1), torch.zeros(8)
+            return torch.zeros(len(positions), 8), torch.zeros(len(positions), 1)
+
+    cfg = ReplayConfig(vocab_size=8, sliding_window=16, layer_types=("sliding", "full"))
+    backend = StaticBackend(Recording(), TokenIdTables(), cfg)  # type: ignore[arg-type]
+    backend.prefill([5, 6, 7, 8, 9, 10], 0)
+    backend.verify([11, 12, 13], 6)
+    logits, hidden = backend.verify([14, 15], 9)
+    backend.verify([16], 11)
+    backend.draft_step(17, hidden[0], 12)
+    assert logits.shape == (2, 8)
+    assert calls == [
+        ("prefill_intermediate", [5, 6, 7, 8], [0, 1, 2, 3]),
+        ("prefill_final", [0, 0, 9, 10], [6, 6, 4, 5]),
+        ("verify_2", [11, 12, 13], [6, 7, 8]),
+        ("verify_2", [0, 14, 15], [11, 9, 10]),
+        ("verify_0", [16], [11]),
+        ("draft_step", [17], [12]),
+    ]
+
+
 # --- adaptive MTP ------------------------------------------------------------------------------
 
 
