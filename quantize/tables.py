@@ -54,6 +54,10 @@ class BlockRows:
             table_rows() if self._address is not None and (is_list or ids.dim() == 1) else None
         )
         n, (height, cols) = len(ids), self.shape
+        if out is not None and (
+            out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n * cols
+        ):
+            raise ValueError(f"out must be contiguous float32 of {n} x {cols} values")
         if library is None:
             at = np.asarray(ids, dtype=np.int64) if is_list else ids.numpy()
             rows = np.asarray(self.raw[at] if isinstance(self.raw, np.ndarray) else self.raw[ids])
@@ -68,8 +72,6 @@ class BlockRows:
             at = ids.data_ptr()
         if out is None:
             out = torch.empty(n, cols)
-        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n * cols:
-            raise ValueError(f"out must be contiguous float32 of {n} x {cols} values")
         done = getattr(library, self.symbol)(
             self._address, height, at, n, cols, scale, out.data_ptr()
         )

@@ -80,7 +80,10 @@ def test_token_tables_scale_rows_as_the_reference_does():
     assert t.per_layer_inputs(ids, out=ple) is ple and torch.equal(ple, expected)
 
 
-def test_a_lookup_into_a_wrong_buffer_raises():
+@pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
+def test_a_lookup_into_a_wrong_buffer_raises(monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(tables, "table_rows", lambda: None)
     rows = Q4_0Rows(random_blocks(8, 64, 18, seed=4), 64)
     for out in (torch.zeros(2, 63), torch.zeros(64, 2).t(), torch.zeros(2, 64, dtype=torch.half)):
         with pytest.raises(ValueError, match="out must be contiguous float32 of 2 x 64 values"):
