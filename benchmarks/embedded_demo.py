@@ -2,12 +2,13 @@
 bundle at each draft depth, with where the time goes.
 
     python benchmarks/embedded_demo.py [--bundle DIR] [--depths 1 2 3] [--repeat 5] [--tokens 128]
+        [--out embedded_demo]
 
 For each depth, `runtime.demo.run_demo` (the demo's own code: held-out prompts, AR and MTP
 interleaved on identical inputs, warm-up excluded, medians of `--repeat` runs of every prompt,
 greedy MTP tokens checked equal to AR's) on one bundle exported for the deepest depth (shallower
 rounds are left-padded into its verify method, as the runtime does). Writes
-benchmarks/results/embedded_demo.{json,md,png}: tok/s by depth and the decode time per token
+benchmarks/results/<out>.{json,md,png}: tok/s by depth and the decode time per token
 split by phase (target calls, drafter calls, embedding lookups, sampling, the host loop).
 """
 
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--out", default="embedded_demo", help="results name under results/")
     args = parser.parse_args()
 
     deepest = max(args.depths)
@@ -112,10 +114,10 @@ def main() -> None:
         "runs": runs,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "embedded_demo.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = report(result)
-    (RESULTS / "embedded_demo.md").write_text(text)
-    plot(result, RESULTS / "embedded_demo.png")
+    (RESULTS / f"{args.out}.md").write_text(text)
+    plot(result, RESULTS / f"{args.out}.png")
     print(text)
 
 

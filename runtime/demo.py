@@ -65,11 +65,12 @@ def ensure_bundle(
     for folder in (target, drafter):
         if not (folder / "config.json").is_file():
             raise EdgeMTPError(f"{folder}: no config.json (the embedded models are missing?)")
-    # The pair is 16 M parameters with a 512-slot context: splitting each layer's XNNPACK
-    # delegate around edgemtp's attention kernel costs its 4-row verify more than the attention
-    # saves (`edgemtp demo`, one run after the other: MTP depth 3 0.95x AR with the kernel,
-    # 1.01x with matmuls; AR 1001 vs 988 tok/s). Matmul bundles also run in the stock
-    # ExecuTorch Android AAR, so this one can go to the sample app as it is.
+    # The pair is 16 M parameters in L3 with a 512-slot context: edgemtp's kernels make its AR
+    # step a quarter cheaper but its 4-row verify hardly at all (2.9 AR steps against 2.3 in
+    # matmul form), so MTP depth 3 / AR is 0.84x with them and 0.96-1.05x without
+    # (benchmarks/README.md, "The demo pair with edgemtp's kernels"). The demo shows MTP against
+    # AR; matmul bundles also run in the stock ExecuTorch Android AAR, so this one can go to the
+    # sample app as it is.
     attention = "matmul"
     out = out or CACHE / f"demo-{bundle_key(target, drafter, settings, attention)}" / "bundle"
     if (out / MANIFEST).is_file():
