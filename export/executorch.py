@@ -23,7 +23,9 @@ Delegates:
 
 The norms are swapped to a form whose mean is a 1-output linear (no `mean.dim`, which XNNPACK
 only runs as an NHWC global pooling between two transposes); see `lower.py` for why that also
-makes lowering several times faster.
+makes lowering several times faster. With edgemtp's kernels, a step's layer norms and the
+residual adds after them run in `edgemtp::rms_norm` / `edgemtp::add_rms_norm` instead: between
+two kernels each group of them was an XNNPACK delegate call of its own (`KernelRMSNorm`).
 """
 
 from __future__ import annotations
@@ -90,6 +92,31 @@ class LinearMeanRMSNorm(ExportRMSNorm):
         ms = F.linear(x * x, self.mean_weight, self.eps_bias)  # + eps as the bias: one op less
         y = x * torch.rsqrt(ms)
         return y * self.weight if self.weight is not None else y
+
+
+HEAD_NORMS = ("q_norm", "k_norm", "v_norm")
+
+
+class KernelRMSNorm(LinearMeanRMSNorm):
+    """The norms of decode, verify and draft steps in edgemtp's kernel (`edgemtp::rms_norm`),
+    and the residual add after a norm in one call (`added`, `edgemtp::add_rms_norm`): between
+    two of edgemtp's kernels each group of norms was an XNNPACK delegate call of its own. Prompt
+    chunks keep the XNNPACK form, inside the delegate of their linears."""
+
+    def _kernel_call(self, x: Tensor) -> bool:
+        return x.dim() >= 2 and x.shape[0] <= KERNEL_MAX_ROWS and not in_prompt_chunk()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._kernel_call(x):
+            return torch.ops.edgemtp.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+    def added(self, h: Tensor, y: Tensor, scale: Tensor | None) -> Tensor:
+        """(h + self(y)) [* scale] (`model.gemma4.add_normed`)."""
+        if self.weight is not None and self._kernel_call(y):
+            return torch.ops.edgemtp.add_rms_norm(h, y, self.weight, scale, self.eps)
+        out = h + self(y)
+        return out if scale is None else out * scale
 
 
 def _block_form(w: Int4Weight) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -427,7 +454,11 @@ def xnnpack_forms(model: nn.Module, role: str = "", attention: str = "kernel") -
             module.__class__ = ArithmeticMaskDrafter
         elif type(module) is ExportRMSNorm:
             d = _norm_dim(model, path, module)
-            module.__class__ = LinearMeanRMSNorm
+            # q/k/v norms stay in the delegate of their RoPE and slices: a kernel between would
+            # split that one delegate call in two
+            head_norm = path.rsplit(".", 1)[-1] in HEAD_NORMS
+            kernel = attention == "kernel" and not head_norm
+            module.__class__ = KernelRMSNorm if kernel else LinearMeanRMSNorm
             module.register_buffer("mean_weight", torch.full((1, d), 1.0 / d), persistent=False)
             module.register_buffer("eps_bias", torch.tensor([module.eps]), persistent=False)
     stats = swap_int4(model, partial(Int4Linear.xnnpack, q4_0_kernel=attention == "kernel"), role)
@@ -749,6 +780,14 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
     if stats["head"]:
         out["drafter_head"] = f"clustered head: {stats['head']}"
     out["norms"] = "RMSNorm mean of squares as a 1-output fp32 linear (weights 1/d, bias eps)"
+    if stats.get("attention") == "kernel":
+        out["norms"] = (
+            f"decode, verify and draft steps (up to {KERNEL_MAX_ROWS} rows): the layer norms "
+            "and the residual add after each (times the layer scalar after the last) in "
+            "edgemtp's kernels (edgemtp::rms_norm, edgemtp::add_rms_norm; fp32, the mean of "
+            "squares summed in 16 partial sums); the q/k/v head norms and prompt chunks' norms "
+            "as a 1-output fp32 linear (weights 1/d, bias eps) in XNNPACK"
+        )
     out["cache"] = "fp32 K/V, shared in place by every method"
     return out
 

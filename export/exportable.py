@@ -309,6 +309,54 @@ torch.library.register_fake(
 )
 
 
+_LIBRARY.define("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor")
+_LIBRARY.define(
+    "rms_norm.out(Tensor x, Tensor? weight, float eps, *, Tensor(a!) out) -> Tensor(a!)"
+)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """What `edgemtp::rms_norm` computes (runtime/kernels/rms_norm.cpp): x * rsqrt(mean(x^2)
+    + eps) over the last dim, times `weight` where there is one."""
+    y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def _rms_norm_out(x: Tensor, weight: Tensor | None, eps: float, *, out: Tensor) -> Tensor:
+    return out.copy_(rms_norm(x, weight, eps))
+
+
+_LIBRARY.impl("rms_norm", rms_norm, "CompositeExplicitAutograd")
+_LIBRARY.impl("rms_norm.out", _rms_norm_out, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "edgemtp::rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=_LIBRARY
+)
+
+ADD_RMS_NORM = "(Tensor h, Tensor y, Tensor weight, Tensor? scale, float eps)"
+_LIBRARY.define("add_rms_norm" + ADD_RMS_NORM + " -> Tensor")
+_LIBRARY.define("add_rms_norm.out" + ADD_RMS_NORM[:-1] + ", *, Tensor(a!) out) -> Tensor(a!)")
+
+
+def add_rms_norm(h: Tensor, y: Tensor, weight: Tensor, scale: Tensor | None, eps: float) -> Tensor:
+    """What `edgemtp::add_rms_norm` computes: (h + rms_norm(y, weight, eps)) * scale (a
+    residual add after a norm, and Gemma's layer scalar where given)."""
+    out = h + rms_norm(y, weight, eps)
+    return out if scale is None else out * scale
+
+
+def _add_rms_norm_out(
+    h: Tensor, y: Tensor, weight: Tensor, scale: Tensor | None, eps: float, *, out: Tensor
+) -> Tensor:
+    return out.copy_(add_rms_norm(h, y, weight, scale, eps))
+
+
+_LIBRARY.impl("add_rms_norm", add_rms_norm, "CompositeExplicitAutograd")
+_LIBRARY.impl("add_rms_norm.out", _add_rms_norm_out, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "edgemtp::add_rms_norm", lambda h, y, weight, scale, eps: torch.empty_like(y), lib=_LIBRARY
+)
+
+
 def make_exportable(module: nn.Module) -> nn.Module:
     """Swap every RMSNorm and Attention of `module` to its export form, in place."""
     for m in module.modules():

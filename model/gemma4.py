@@ -161,6 +161,16 @@ def gated_projection(proj: nn.Module, gate: Tensor, up: Tensor) -> Tensor:
     return proj(F.gelu(gate, approximate="tanh") * up)
 
 
+def add_normed(h: Tensor, norm: nn.Module, y: Tensor, scale: Tensor | None = None) -> Tensor:
+    """(h + norm(y)) [* scale]: a residual add after a norm (and the layer scalar). A norm with
+    an `added` form (edgemtp's ExecuTorch kernel) computes it in one call."""
+    added = getattr(norm, "added", None)
+    if added is not None:
+        return added(h, y, scale)
+    out = h + norm(y)
+    return out if scale is None else out * scale
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -211,14 +221,16 @@ class DecoderLayer(nn.Module):
         if last_only:
             h, x, cos, sin, mask = h[-1:], x[-1:], cos[-1:], sin[-1:], mask[-1:]
             ple = ple[-1:] if ple is not None else None
-        h = h + self.post_attention_layernorm(self.self_attn(x, cos, sin, k, v, mask))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        if self.has_ple:
+        h = add_normed(h, self.post_attention_layernorm, self.self_attn(x, cos, sin, k, v, mask))
+        mlp = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.has_ple:  # the layer scalar scales the layer's last residual add
+            h = add_normed(h, self.post_feedforward_layernorm, mlp)
             gate = self.per_layer_input_gate(h)
-            h = h + self.post_per_layer_input_norm(
-                gated_projection(self.per_layer_projection, gate, ple)
-            )
-        return h * self.layer_scalar, (k, v), new_kv
+            projected = gated_projection(self.per_layer_projection, gate, ple)
+            h = add_normed(h, self.post_per_layer_input_norm, projected, self.layer_scalar)
+        else:
+            h = add_normed(h, self.post_feedforward_layernorm, mlp, self.layer_scalar)
+        return h, (k, v), new_kv
 
 
 class CacheView(Protocol):

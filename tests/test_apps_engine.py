@@ -481,7 +481,7 @@ def _check_pipe_bundle(core: Path, bundle: Path, python_session, python_calls: l
 @pytest.fixture(scope="module")
 def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
     """The tiny pair as an ExecuTorch cpu bundle whose decode, verify and draft methods call
-    edgemtp's kernels (`--attention kernel`, the default there): attention and Q4_0 linears."""
+    edgemtp's kernels (`--attention kernel`, the default there): attention, Q4_0 linears, norms."""
     from edgemtp.cli import main
 
     target, drafter = tiny_q4_0_pair
@@ -493,9 +493,11 @@ def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
     ) == 0  # fmt: skip
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend_details"]["kernels"] == [
+        "edgemtp::add_rms_norm.out",
         "edgemtp::cache_attention_rows.out",
         "edgemtp::q4_0_gated_linear.out",
         "edgemtp::q4_0_linear.out",
+        "edgemtp::rms_norm.out",
     ]
     return out
 

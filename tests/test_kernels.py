@@ -1,7 +1,8 @@
 """edgemtp's ExecuTorch kernels (runtime/kernels), run by ExecuTorch's Python runtime:
 `edgemtp::cache_attention` against attention written in numpy over only the keys each row may
 see, `edgemtp::q4_0_linear` (and `q4_0_gated_linear`, its input gelu_tanh(gate) * up) against
-llama.cpp's Q8_0 x Q4_0 product written in numpy over the GGML bytes `gguf` quantizes."""
+llama.cpp's Q8_0 x Q4_0 product written in numpy over the GGML bytes `gguf` quantizes, and
+`edgemtp::rms_norm` / `add_rms_norm` against Gemma's RMSNorm (and the residual add) in float64."""
 
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ import torch
 from torch import nn
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.exportable import BLOCKED, cache_attention, q4_0_gated_linear, q4_0_linear
+from edgemtp.export.exportable import (
+    BLOCKED,
+    add_rms_norm,
+    cache_attention,
+    q4_0_gated_linear,
+    q4_0_linear,
+    rms_norm,
+)
 from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
 from edgemtp.quantize.q4_0 import BLOCK, nibbles_q4_0, unpack_q4_0
 from edgemtp.runtime import kernels
@@ -299,6 +307,74 @@ def test_eager_op_matches_numpy():
         # ~50 at a head dim of 256 (scale 1.0) carry a few 1e-6, outputs up to ~2e-5 off
         np.testing.assert_allclose(got, numpy_attention(clean, allowed), atol=4e-5, err_msg=name)
         assert torch.equal(torch.ops.edgemtp.cache_attention(*clean), cache_attention(*clean))
+
+
+class NormOp(nn.Module):
+    def __init__(self, weighted: bool, eps: float):
+        super().__init__()
+        self.weighted, self.eps = weighted, eps
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.edgemtp.rms_norm(x, weight if self.weighted else None, self.eps)
+
+
+class AddNormOp(nn.Module):
+    def __init__(self, scaled: bool, eps: float):
+        super().__init__()
+        self.scaled, self.eps = scaled, eps
+
+    def forward(self, h, y, weight, scale):  # type: ignore[no-untyped-def]
+        return torch.ops.edgemtp.add_rms_norm(
+            h, y, weight, scale if self.scaled else None, self.eps
+        )
+
+
+def numpy_rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y if weight is None else y * weight
+
+
+# (shape, weighted or scaled, eps): decode and verify rows, a head norm's [rows, heads, dim],
+# a width that is no multiple of the kernel's 16 partial sums
+NORM_CASES = {
+    "one_row": ((1, 512), True, 1e-6),
+    "verify_rows": ((4, 512), False, 1e-6),
+    "heads": ((3, 4, 64), True, 1e-5),
+    "odd_width": ((2, 40), False, 1e-6),
+}
+
+
+def test_norm_kernels_match_numpy():
+    from executorch.extension.pybindings import portable_lib
+
+    gen = torch.Generator().manual_seed(7)
+    programs, calls = {}, {}
+    for name, (shape, flag, eps) in NORM_CASES.items():
+        h, y = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen) * 3
+        weight = torch.rand(shape[-1], generator=gen) + 0.5
+        scale = torch.tensor([0.7])
+        norm = (y, weight)
+        added = (h, y, weight, scale)
+        programs[f"{name}_norm"] = export_method(NormOp(flag, eps), norm)
+        programs[f"{name}_add"] = export_method(AddNormOp(flag, eps), added)
+        want_norm = numpy_rms_norm(y.numpy(), weight.numpy() if flag else None, eps)
+        want_add = h.numpy() + numpy_rms_norm(y.numpy(), weight.numpy(), eps)
+        calls[f"{name}_norm"] = (norm, want_norm, rms_norm(y, weight if flag else None, eps))
+        calls[f"{name}_add"] = (
+            added,
+            want_add * 0.7 if flag else want_add,
+            add_rms_norm(h, y, weight, scale if flag else None, eps),
+        )
+    manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
+    kernels.load()
+    program = manager.to_executorch(backend_config()).buffer  # (the module only borrows it)
+    loaded = portable_lib._load_for_executorch_from_buffer(program)
+    for name, (inputs, want, eager) in calls.items():
+        got = loaded.run_method(name, inputs)[0].numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=name)
+        # what the reference engine runs (torch's own reduction order)
+        np.testing.assert_allclose(eager.numpy(), want, rtol=2e-6, atol=2e-6, err_msg=name)
 
 
 def test_build_is_cached_by_source_and_compiler(tmp_path):

@@ -6,6 +6,8 @@ static KV cache that reads only the slots the mask lets some row attend to (see 
 `q4_0_linear.cpp` is `edgemtp::q4_0_linear.out`: a few rows times a GGML Q4_0 weight as
 llama.cpp computes it (Q8_0 activations, signed block scales), and `q4_0_gated_linear.out`,
 the same for the input gelu_tanh(gate) * up.
+`rms_norm.cpp` is `edgemtp::rms_norm.out` and `edgemtp::add_rms_norm.out`: the norms between
+those kernels, and the residual add after one, so no XNNPACK delegate call runs between two.
 ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
 library linked to that same file registers its kernels there when it is loaded. So `load()`
 compiles the sources once per source, compiler and ExecuTorch installation into
@@ -32,7 +34,8 @@ from edgemtp.errors import EdgeMTPError
 from edgemtp.files import staged_folder
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cache_attention.cpp", "q4_0_linear.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cache_attention.cpp", "q4_0_linear.cpp", "rms_norm.cpp")
 )
 TABLE_ROWS_SOURCE = Path(__file__).with_name("table_rows.cpp")
 TABLE_ROWS_LIBRARY = "libedgemtp_table_rows.so"
@@ -41,6 +44,8 @@ CACHE_ATTENTION = "edgemtp::cache_attention.out"  # as a program (and a manifest
 CACHE_ATTENTION_ROWS = "edgemtp::cache_attention_rows.out"  # bundles since the gated kernel
 Q4_0_LINEAR = "edgemtp::q4_0_linear.out"
 Q4_0_GATED_LINEAR = "edgemtp::q4_0_gated_linear.out"
+RMS_NORM = "edgemtp::rms_norm.out"
+ADD_RMS_NORM = "edgemtp::add_rms_norm.out"
 BUILD_CACHE = Path.home() / ".cache" / "edgemtp" / "kernels"
 LIBRARY = "libedgemtp_kernels.so"
 C10_HEADERS = "include/executorch/runtime/core/portable_type/c10"  # the c10 ExecuTorch vendors
