@@ -25,7 +25,9 @@ The norms are swapped to a form whose mean is a 1-output linear (no `mean.dim`, 
 only runs as an NHWC global pooling between two transposes); see `lower.py` for why that also
 makes lowering several times faster. With edgemtp's kernels, a step's layer norms and the
 residual adds after them run in `edgemtp::rms_norm` / `edgemtp::add_rms_norm` instead: between
-two kernels each group of them was an XNNPACK delegate call of its own (`KernelRMSNorm`).
+two kernels each group of them was an XNNPACK delegate call of its own (`KernelRMSNorm`); and
+the q/k/v heads are normed and rotated in `edgemtp::head_norm_rope`, straight from the fused
+Q/K/V product (`KernelAttention`).
 """
 
 from __future__ import annotations
@@ -454,8 +456,8 @@ def xnnpack_forms(model: nn.Module, role: str = "", attention: str = "kernel") -
             module.__class__ = ArithmeticMaskDrafter
         elif type(module) is ExportRMSNorm:
             d = _norm_dim(model, path, module)
-            # q/k/v norms stay in the delegate of their RoPE and slices: a kernel between would
-            # split that one delegate call in two
+            # q/k/v norms: a step's run inside edgemtp::head_norm_rope (KernelAttention), so
+            # these modules serve prompt chunks only, in XNNPACK with their RoPE and slices
             head_norm = path.rsplit(".", 1)[-1] in HEAD_NORMS
             kernel = attention == "kernel" and not head_norm
             module.__class__ = KernelRMSNorm if kernel else LinearMeanRMSNorm
@@ -785,7 +787,8 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
             f"decode, verify and draft steps (up to {KERNEL_MAX_ROWS} rows): the layer norms "
             "and the residual add after each (times the layer scalar after the last) in "
             "edgemtp's kernels (edgemtp::rms_norm, edgemtp::add_rms_norm; fp32, the mean of "
-            "squares summed in 16 partial sums); the q/k/v head norms and prompt chunks' norms "
+            "squares summed in 16 partial sums); the q/k/v head norms with their RoPE in "
+            "edgemtp::head_norm_rope, read from the fused Q/K/V product; prompt chunks' norms "
             "as a 1-output fp32 linear (weights 1/d, bias eps) in XNNPACK"
         )
     out["cache"] = "fp32 K/V, shared in place by every method"

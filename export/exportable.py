@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgemtp.model.gemma4 import Attention, Gemma4Drafter, Gemma4Target, RMSNorm, apply_rope
+from edgemtp.model.gemma4 import (
+    Attention,
+    Gemma4Drafter,
+    Gemma4Target,
+    RMSNorm,
+    apply_rope,
+    in_prompt_chunk,
+)
 from edgemtp.quantize.q4_0 import Q4_0, dequantize_q4_0, q8_0_rows, unnibble_q4_0
 
 _ADDITIVE: dict[int, tuple[Tensor, Tensor]] = {}
@@ -152,6 +159,54 @@ class KernelAttention(ExportAttention):
     (`edgemtp::cache_attention`), which reads only the cache slots some row attends to. The
     cache segment may be the whole buffer: the mask's width says how many of its slots the
     call reads (a context bucket's), so no slice copies the bucket out of it."""
+
+    def _kernel_rows(self, x: Tensor) -> bool:
+        return x.shape[0] <= KERNEL_MAX_ROWS and not in_prompt_chunk()
+
+    def _normed_heads(
+        self,
+        proj: nn.Module,
+        x: Tensor,
+        norm: RMSNorm,
+        rope: tuple[Tensor, Tensor] | None,
+        kvh: int,
+    ) -> Tensor:
+        """proj(x)'s heads normed (and rotated) in one kernel call (`edgemtp::head_norm_rope`),
+        as [kv_heads, heads / kv_heads * rows, head_dim]. A fused Q/K/V linear's part hands the
+        kernel the whole product and where its columns start: no slice between the two."""
+        fused = getattr(proj, "fused", None)
+        full, start = (fused(x), proj.start) if fused is not None else (proj(x), 0)
+        hd = self.spec.head_dim
+        cos, sin = rope if rope is not None else (None, None)
+        heads = proj.out_features // hd
+        return torch.ops.edgemtp.head_norm_rope(
+            full, start // hd, heads, kvh, hd, norm.weight, cos, sin, norm.eps
+        )
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        if not self._kernel_rows(x):
+            return super().project_kv(x, cos, sin)
+        kvh = self.spec.num_kv_heads
+        k = self._normed_heads(self.k_proj, x, self.k_norm, (cos, sin), kvh)
+        values = self.k_proj if self.v_proj is None else self.v_proj  # V = K before norm and RoPE
+        return k, self._normed_heads(values, x, self.v_norm, None, kvh)
+
+    def forward(  # type: ignore[override]
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k: Tensor | Segments,
+        v: Tensor | Segments,
+        mask: Tensor,
+    ) -> Tensor:
+        if not self._kernel_rows(x):
+            return super().forward(x, cos, sin, k, v, mask)
+        ks = k if isinstance(k, tuple) else (k,)
+        vs = v if isinstance(v, tuple) else (v,)
+        kvh = ks[0].shape[0]
+        q = self._normed_heads(self.q_proj, x, self.q_norm, (cos, sin), kvh)
+        return self.o_proj(self.attend(q, ks, vs, mask, q.shape[1] // x.shape[0]))
 
     def attend(self, q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
         own = (ks[1], vs[1]) if len(ks) == 2 else (None, None)
@@ -354,6 +409,49 @@ _LIBRARY.impl("add_rms_norm", add_rms_norm, "CompositeExplicitAutograd")
 _LIBRARY.impl("add_rms_norm.out", _add_rms_norm_out, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "edgemtp::add_rms_norm", lambda h, y, weight, scale, eps: torch.empty_like(y), lib=_LIBRARY
+)
+
+
+HEAD_NORM_ROPE = (
+    "(Tensor x, int first_head, int heads, int kv_heads, int head_dim, Tensor? weight, "
+    "Tensor? cos, Tensor? sin, float eps)"
+)
+_LIBRARY.define("head_norm_rope" + HEAD_NORM_ROPE + " -> Tensor")
+_LIBRARY.define("head_norm_rope.out" + HEAD_NORM_ROPE[:-1] + ", *, Tensor(a!) out) -> Tensor(a!)")
+
+
+def head_norm_rope(
+    x: Tensor,
+    first_head: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    weight: Tensor | None,
+    cos: Tensor | None,
+    sin: Tensor | None,
+    eps: float,
+) -> Tensor:
+    """What `edgemtp::head_norm_rope` computes: heads [first_head, first_head + heads) of
+    x [rows, ...] (head_dim columns each), each `rms_norm`ed, rotated where cos/sin
+    [rows, 1, head_dim] are given, as [kv_heads, heads / kv_heads * rows, head_dim]."""
+    t = x.shape[0]
+    y = x[:, first_head * head_dim : (first_head + heads) * head_dim].reshape(t, heads, head_dim)
+    y = rms_norm(y, weight, eps)
+    if cos is not None and sin is not None:
+        y = apply_rope(y, cos, sin)
+    return y.transpose(0, 1).reshape(kv_heads, heads // kv_heads * t, head_dim)
+
+
+def _head_norm_rope_out(*args: Tensor | int | float | None, out: Tensor) -> Tensor:
+    return out.copy_(head_norm_rope(*args))  # type: ignore[arg-type]
+
+
+_LIBRARY.impl("head_norm_rope", head_norm_rope, "CompositeExplicitAutograd")
+_LIBRARY.impl("head_norm_rope.out", _head_norm_rope_out, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "edgemtp::head_norm_rope",
+    lambda x, first, heads, kvh, hd, *_: x.new_empty(kvh, heads // kvh * x.shape[0], hd),
+    lib=_LIBRARY,
 )
 
 

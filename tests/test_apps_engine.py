@@ -495,6 +495,7 @@ def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
     assert manifest["backend_details"]["kernels"] == [
         "edgemtp::add_rms_norm.out",
         "edgemtp::cache_attention_rows.out",
+        "edgemtp::head_norm_rope.out",
         "edgemtp::q4_0_gated_linear.out",
         "edgemtp::q4_0_linear.out",
         "edgemtp::rms_norm.out",

@@ -329,6 +329,74 @@ class AddNormOp(nn.Module):
         )
 
 
+class HeadsOp(nn.Module):
+    def __init__(self, first: int, heads: int, kv_heads: int, dim: int, weighted: bool, rope: bool):
+        super().__init__()
+        self.args = (first, heads, kv_heads, dim)
+        self.weighted, self.rope = weighted, rope
+
+    def forward(self, x, weight, cos, sin):  # type: ignore[no-untyped-def]
+        w = weight if self.weighted else None
+        cs = (cos, sin) if self.rope else (None, None)
+        return torch.ops.edgemtp.head_norm_rope(x, *self.args, w, *cs, 1e-6)
+
+
+def numpy_heads(x, first, heads, kv_heads, dim, weight, cos, sin):  # type: ignore[no-untyped-def]
+    """Heads [first, first + heads) of each row normed, rotated (rotate-half RoPE), as
+    [kv_heads, heads / kv_heads * rows, dim]: head h of row t at h * rows + t."""
+    rows = x.shape[0]
+    y = x[:, first * dim : (first + heads) * dim].reshape(rows, heads, dim)
+    y = numpy_rms_norm(y, weight, 1e-6)
+    if cos is not None:
+        half = dim // 2
+        rotated = np.concatenate([-y[..., half:], y[..., :half]], axis=-1)
+        y = y * cos.astype(np.float64) + rotated * sin.astype(np.float64)
+    return y.transpose(1, 0, 2).reshape(kv_heads, heads // kv_heads * rows, dim)
+
+
+# (rows, heads in the product, first head, heads, kv heads, head dim, weighted, rotated):
+# queries of a fused Q/K/V product (4 heads over 2 KV heads), its keys, its values (no weight,
+# no RoPE), a KV-shared layer's own queries
+HEAD_CASES = {
+    "queries": (3, 8, 0, 4, 2, 64, True, True),
+    "keys": (3, 8, 4, 2, 2, 64, True, True),
+    "values": (1, 8, 6, 2, 2, 64, False, False),
+    "shared_queries": (2, 4, 0, 4, 1, 256, True, True),
+}
+
+
+def test_head_norm_rope_kernel_matches_numpy():
+    from executorch.extension.pybindings import portable_lib
+
+    gen = torch.Generator().manual_seed(11)
+    programs, calls = {}, {}
+    for name, (rows, width, first, heads, kvh, dim, weighted, rope) in HEAD_CASES.items():
+        x = torch.randn(rows, width * dim, generator=gen) * 2
+        weight = torch.rand(dim, generator=gen) + 0.5
+        angles = torch.rand(rows, 1, dim // 2, generator=gen) * 6
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        inputs = (x, weight, cos, sin)
+        programs[name] = export_method(HeadsOp(first, heads, kvh, dim, weighted, rope), inputs)
+        want = numpy_heads(
+            x.numpy(), first, heads, kvh, dim, weight.numpy() if weighted else None,
+            cos.numpy() if rope else None, sin.numpy(),
+        )  # fmt: skip
+        eager = torch.ops.edgemtp.head_norm_rope(
+            x, first, heads, kvh, dim, weight if weighted else None,
+            cos if rope else None, sin if rope else None, 1e-6,
+        )  # fmt: skip
+        calls[name] = (inputs, want, eager)
+    manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
+    kernels.load()
+    program = manager.to_executorch(backend_config()).buffer  # (the module only borrows it)
+    loaded = portable_lib._load_for_executorch_from_buffer(program)
+    for name, (inputs, want, eager) in calls.items():
+        got = loaded.run_method(name, inputs)[0].numpy()
+        assert got.shape == want.shape, name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(eager.numpy(), want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def numpy_rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     x = x.astype(np.float64)
     y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)

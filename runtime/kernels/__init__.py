@@ -7,7 +7,8 @@ static KV cache that reads only the slots the mask lets some row attend to (see 
 llama.cpp computes it (Q8_0 activations, signed block scales), and `q4_0_gated_linear.out`,
 the same for the input gelu_tanh(gate) * up.
 `rms_norm.cpp` is `edgemtp::rms_norm.out` and `edgemtp::add_rms_norm.out`: the norms between
-those kernels, and the residual add after one, so no XNNPACK delegate call runs between two.
+those kernels, and the residual add after one, so no XNNPACK delegate call runs between two;
+and `edgemtp::head_norm_rope.out`, the q/k/v heads of a projection normed and rotated.
 ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
 library linked to that same file registers its kernels there when it is loaded. So `load()`
 compiles the sources once per source, compiler and ExecuTorch installation into
@@ -46,6 +47,7 @@ Q4_0_LINEAR = "edgemtp::q4_0_linear.out"
 Q4_0_GATED_LINEAR = "edgemtp::q4_0_gated_linear.out"
 RMS_NORM = "edgemtp::rms_norm.out"
 ADD_RMS_NORM = "edgemtp::add_rms_norm.out"
+HEAD_NORM_ROPE = "edgemtp::head_norm_rope.out"
 BUILD_CACHE = Path.home() / ".cache" / "edgemtp" / "kernels"
 LIBRARY = "libedgemtp_kernels.so"
 C10_HEADERS = "include/executorch/runtime/core/portable_type/c10"  # the c10 ExecuTorch vendors

@@ -9,6 +9,12 @@
 //   rms_norm(x, weight?, eps)                  x * rsqrt(mean(x^2) + eps) [* weight]
 //   add_rms_norm(h, y, weight, scale?, eps)    (h + rms_norm(y, weight, eps)) [* scale]
 // over the last dimension; float32, contiguous; weight [dim], scale [1] (Gemma's layer scalar).
+// edgemtp::head_norm_rope.out is the q, k or v heads of a projection's rows, each normed and
+// rotated, in the layout the attention kernel and the cache read:
+//   head_norm_rope(x, first_head, heads, kv_heads, head_dim, weight?, cos?, sin?, eps)
+//   x    [rows, >= (first_head + heads) * head_dim]  (e.g. the fused Q/K/V product's rows)
+//   cos, sin [rows, 1, head_dim] or none            RoPE, rotate-half form
+//   out  [kv_heads, heads / kv_heads * rows, head_dim]: head h of row t at h * rows + t
 // The mean of squares is summed in float in 16 interleaved partial sums.
 
 #include <cmath>
@@ -109,7 +115,61 @@ Tensor& add_rms_norm_out(KernelRuntimeContext& ctx, const Tensor& h, const Tenso
   return out;
 }
 
+Tensor& head_norm_rope_out(KernelRuntimeContext& ctx, const Tensor& x, int64_t first_head,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           const optional<Tensor>& weight, const optional<Tensor>& cos,
+                           const optional<Tensor>& sin, double eps, Tensor& out) {
+  ET_KERNEL_CHECK(ctx, x.dim() == 2 && float_contiguous(x), InvalidArgument, out);
+  const int64_t rows = x.size(0), width = x.size(1), dim = head_dim;
+  ET_KERNEL_CHECK(ctx,
+                  first_head >= 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 &&
+                      dim > 0 && dim % 2 == 0 && (first_head + heads) * dim <= width,
+                  InvalidArgument, out);
+  ET_KERNEL_CHECK(ctx, cos.has_value() == sin.has_value(), InvalidArgument, out);
+  if (weight.has_value()) {
+    ET_KERNEL_CHECK(ctx, float_contiguous(*weight) && weight->numel() == dim, InvalidArgument,
+                    out);
+  }
+  for (const optional<Tensor>* t : {&cos, &sin}) {
+    if (t->has_value()) {
+      ET_KERNEL_CHECK(ctx, float_contiguous(**t) && (*t)->numel() == rows * dim,
+                      InvalidArgument, out);
+    }
+  }
+  const executorch::aten::SizesType sizes[3] = {
+      static_cast<executorch::aten::SizesType>(kv_heads),
+      static_cast<executorch::aten::SizesType>(heads / kv_heads * rows),
+      static_cast<executorch::aten::SizesType>(dim)};
+  ET_KERNEL_CHECK(ctx, executorch::runtime::resize_tensor(out, {sizes, 3}) ==
+                           executorch::runtime::Error::Ok,
+                  InvalidArgument, out);
+  const float* xd = x.const_data_ptr<float>();
+  const float* w = weight.has_value() ? weight->const_data_ptr<float>() : nullptr;
+  const float* c = cos.has_value() ? cos->const_data_ptr<float>() : nullptr;
+  const float* s = sin.has_value() ? sin->const_data_ptr<float>() : nullptr;
+  float* od = out.mutable_data_ptr<float>();
+  const int64_t half = dim / 2;
+  float normed[1024];
+  ET_KERNEL_CHECK(ctx, dim <= 1024, InvalidArgument, out);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = xd + t * width + (first_head + h) * dim;
+      float* o = od + (h * rows + t) * dim;
+      const float inv = inverse_rms(xr, dim, static_cast<float>(eps));
+      float* y = c ? normed : o;  // rotated from a copy: out[d] reads y[d +- half]
+      for (int64_t d = 0; d < dim; ++d) y[d] = w ? xr[d] * inv * w[d] : xr[d] * inv;
+      if (!c) continue;
+      const float* ct = c + t * dim;
+      const float* st = s + t * dim;
+      for (int64_t d = 0; d < half; ++d) o[d] = y[d] * ct[d] - y[d + half] * st[d];
+      for (int64_t d = half; d < dim; ++d) o[d] = y[d] * ct[d] + y[d - half] * st[d];
+    }
+  }
+  return out;
+}
+
 }  // namespace edgemtp
 
 EXECUTORCH_LIBRARY(edgemtp, "rms_norm.out", edgemtp::rms_norm_out);
 EXECUTORCH_LIBRARY(edgemtp, "add_rms_norm.out", edgemtp::add_rms_norm_out);
+EXECUTORCH_LIBRARY(edgemtp, "head_norm_rope.out", edgemtp::head_norm_rope_out);
