@@ -139,11 +139,15 @@ class ExportAttention(Attention):
     ) -> Tensor:
         ks = k if isinstance(k, tuple) else (k,)
         vs = v if isinstance(v, tuple) else (v,)
-        t, hd, kvh = x.shape[0], self.spec.head_dim, ks[0].shape[0]
+        q = self.project_q(x, cos, sin, ks[0].shape[0])
+        return self.o_proj(self.attend(q, ks, vs, mask, q.shape[1] // x.shape[0]))
+
+    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor, kv_heads: int) -> Tensor:
+        """The queries normed and rotated, as [kv_heads, group * rows, head_dim]."""
+        t, hd = x.shape[0], self.spec.head_dim
         q = self.q_proj(x).view(t, -1, hd)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(0, 1)  # [heads, T, hd]
-        group = q.shape[0] // kvh
-        return self.o_proj(self.attend(q.reshape(kvh, group * t, hd), ks, vs, mask, group))
+        return q.reshape(kv_heads, -1, hd)
 
     def attend(self, q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
         """[rows, heads * head_dim]: what the output projection reads."""
@@ -191,22 +195,10 @@ class KernelAttention(ExportAttention):
         values = self.k_proj if self.v_proj is None else self.v_proj  # V = K before norm and RoPE
         return k, self._normed_heads(values, x, self.v_norm, None, kvh)
 
-    def forward(  # type: ignore[override]
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        k: Tensor | Segments,
-        v: Tensor | Segments,
-        mask: Tensor,
-    ) -> Tensor:
+    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor, kv_heads: int) -> Tensor:
         if not self._kernel_rows(x):
-            return super().forward(x, cos, sin, k, v, mask)
-        ks = k if isinstance(k, tuple) else (k,)
-        vs = v if isinstance(v, tuple) else (v,)
-        kvh = ks[0].shape[0]
-        q = self._normed_heads(self.q_proj, x, self.q_norm, (cos, sin), kvh)
-        return self.o_proj(self.attend(q, ks, vs, mask, q.shape[1] // x.shape[0]))
+            return super().project_q(x, cos, sin, kv_heads)
+        return self._normed_heads(self.q_proj, x, self.q_norm, (cos, sin), kv_heads)
 
     def attend(self, q: Tensor, ks: Segments, vs: Segments, mask: Tensor, group: int) -> Tensor:
         own = (ks[1], vs[1]) if len(ks) == 2 else (None, None)

@@ -365,9 +365,23 @@ HEAD_CASES = {
 }
 
 
-def test_head_norm_rope_kernel_matches_numpy():
+def assert_programs_match(programs: dict, calls: dict, tolerance: float) -> None:
+    """Lower `programs` into one ExecuTorch program; each method's output, and the eager op's
+    (what the reference engine runs, in torch's own reduction order), must match numpy's."""
     from executorch.extension.pybindings import portable_lib
 
+    manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
+    kernels.load()
+    program = manager.to_executorch(backend_config()).buffer  # (the module only borrows it)
+    loaded = portable_lib._load_for_executorch_from_buffer(program)
+    for name, (inputs, want, eager) in calls.items():
+        got = loaded.run_method(name, inputs)[0].numpy()
+        assert got.shape == want.shape, name
+        for out in (got, eager.numpy()):
+            np.testing.assert_allclose(out, want, rtol=tolerance, atol=tolerance, err_msg=name)
+
+
+def test_head_norm_rope_kernel_matches_numpy():
     gen = torch.Generator().manual_seed(11)
     programs, calls = {}, {}
     for name, (rows, width, first, heads, kvh, dim, weighted, rope) in HEAD_CASES.items():
@@ -386,15 +400,7 @@ def test_head_norm_rope_kernel_matches_numpy():
             cos if rope else None, sin if rope else None, 1e-6,
         )  # fmt: skip
         calls[name] = (inputs, want, eager)
-    manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
-    kernels.load()
-    program = manager.to_executorch(backend_config()).buffer  # (the module only borrows it)
-    loaded = portable_lib._load_for_executorch_from_buffer(program)
-    for name, (inputs, want, eager) in calls.items():
-        got = loaded.run_method(name, inputs)[0].numpy()
-        assert got.shape == want.shape, name
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
-        np.testing.assert_allclose(eager.numpy(), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_programs_match(programs, calls, 1e-5)
 
 
 def numpy_rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
@@ -414,8 +420,6 @@ NORM_CASES = {
 
 
 def test_norm_kernels_match_numpy():
-    from executorch.extension.pybindings import portable_lib
-
     gen = torch.Generator().manual_seed(7)
     programs, calls = {}, {}
     for name, (shape, flag, eps) in NORM_CASES.items():
@@ -434,15 +438,7 @@ def test_norm_kernels_match_numpy():
             want_add * 0.7 if flag else want_add,
             add_rms_norm(h, y, weight, scale if flag else None, eps),
         )
-    manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
-    kernels.load()
-    program = manager.to_executorch(backend_config()).buffer  # (the module only borrows it)
-    loaded = portable_lib._load_for_executorch_from_buffer(program)
-    for name, (inputs, want, eager) in calls.items():
-        got = loaded.run_method(name, inputs)[0].numpy()
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=name)
-        # what the reference engine runs (torch's own reduction order)
-        np.testing.assert_allclose(eager.numpy(), want, rtol=2e-6, atol=2e-6, err_msg=name)
+    assert_programs_match(programs, calls, 2e-6)
 
 
 def test_build_is_cached_by_source_and_compiler(tmp_path):
