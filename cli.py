@@ -859,8 +859,9 @@ def run_report(args: argparse.Namespace) -> int:
 
     from edgemtp.model.checkpoint import load_drafter, load_target
     from edgemtp.quantize.report import build_report, plot_weight_error
+    from edgemtp.runtime.tokenizer import token_file
 
-    ids = _token_file(args.text, args.model, args.tokens + 1)
+    ids = token_file(args.text, args.model, args.tokens + 1)
     reference, quantized = load_target(args.model), load_target(args.quantized)
     if reference.cfg.layers != quantized.cfg.layers:
         raise EdgeMTPError(f"{args.quantized} is not a quantization of {args.model}")
@@ -892,32 +893,14 @@ def run_report(args: argparse.Namespace) -> int:
 def _calibration_hessians(args: argparse.Namespace) -> dict:
     from edgemtp.model.checkpoint import load_target
     from edgemtp.quantize.gptq import collect_hessians
+    from edgemtp.runtime.tokenizer import token_file
 
     if args.calib is None:
         raise EdgeMTPError("--method gptq needs --calib FILE (a few thousand tokens of text)")
-    ids = _token_file(args.calib, args.model, args.calib_tokens)
+    ids = token_file(args.calib, args.model, args.calib_tokens)
     target = load_target(args.model)
     chunk = 512
     return collect_hessians(target, [ids[i : i + chunk] for i in range(0, len(ids), chunk)])
-
-
-def _token_file(path: Path, model: Path, limit: int) -> list[int]:
-    """Text encoded with the model's tokenizer.json or, for a model without one, a file of
-    token ids separated by commas or spaces."""
-    from edgemtp.runtime.tokenizer import load_tokenizer
-
-    if not path.is_file():
-        raise EdgeMTPError(f"{path}: no such file")
-    text = path.read_text(errors="replace")
-    tokenizer = load_tokenizer(model)
-    if tokenizer is not None:
-        return tokenizer.encode_prompt(text)[:limit]
-    try:
-        return [int(t) for t in text.replace(",", " ").split()][:limit]
-    except ValueError:
-        raise EdgeMTPError(
-            f"{model} has no tokenizer.json, so {path} must hold token ids (commas or spaces)"
-        ) from None
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from edgemtp.cli import _token_file
 from edgemtp.model.checkpoint import load_target
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 from edgemtp.quantize.gptq import collect_hessians
 from edgemtp.quantize.report import build_report
+from edgemtp.runtime.tokenizer import token_file
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/w4a16_methods"))
     args = ap.parse_args()
     torch.set_num_threads(2)
-    ids = _token_file(args.text, args.model, args.calib_tokens + args.eval_tokens + 1)
+    ids = token_file(args.text, args.model, args.calib_tokens + args.eval_tokens + 1)
     calib, held_out = ids[: args.calib_tokens], ids[args.calib_tokens :]
     reference = load_target(args.model)
     with torch.no_grad():

@@ -52,6 +52,23 @@ def load_tokenizer(model_dir: Path) -> PromptTokenizer | None:
     return PromptTokenizer(loaded, path)
 
 
+def token_file(path: Path, model: Path, limit: int) -> list[int]:
+    """The first `limit` tokens of a file: text encoded with the model's tokenizer.json or, for a
+    model without one, token ids separated by commas or spaces."""
+    if not path.is_file():
+        raise EdgeMTPError(f"{path}: no such file")
+    text = path.read_text(errors="replace")
+    tokenizer = load_tokenizer(model)
+    if tokenizer is not None:
+        return tokenizer.encode_prompt(text)[:limit]
+    try:
+        return [int(t) for t in text.replace(",", " ").split()][:limit]
+    except ValueError:
+        raise EdgeMTPError(
+            f"{model} has no tokenizer.json, so {path} must hold token ids (commas or spaces)"
+        ) from None
+
+
 def _guarded(call: Callable[[], T], what: str) -> T:
     """`tokenizers` raises plain Exceptions for bad files, and on some malformed ones its Rust
     code panics: a PanicException, which derives from BaseException, not Exception."""

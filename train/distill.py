@@ -327,10 +327,10 @@ def _stack(values: list[Tensor]) -> Tensor:
 
 
 def load_tokens(data_file: Path, target_dir: Path) -> list[int]:
-    from edgemtp.cli import _token_file
+    from edgemtp.runtime.tokenizer import token_file
 
     empty = data_file.is_file() and not data_file.read_text(errors="replace").strip()
-    ids = [] if empty else _token_file(data_file, target_dir, sys.maxsize)
+    ids = [] if empty else token_file(data_file, target_dir, sys.maxsize)
     if not ids:
         raise EdgeMTPError(f"{data_file}: no tokens; pass a text (or token-id) file with content")
     return ids
