@@ -1,0 +1,162 @@
+"""`edgemtp export`: a target (+ MTP drafter) lowered to an ExecuTorch, Core ML or ONNX bundle."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgemtp.cli.common import check_positive
+from edgemtp.errors import EdgeMTPError
+
+if TYPE_CHECKING:
+    from edgemtp.model.config import TextConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="lower a target (+ MTP drafter) to an ExecuTorch, Core ML or ONNX bundle"
+    )
+    p.add_argument(
+        "--model", required=True, type=Path, help="target: HF folder, quantized folder or .gguf"
+    )
+    p.add_argument("--drafter", type=Path, help="MTP assistant (without: AR-only bundle)")
+    p.add_argument(
+        "--quant",
+        default="auto",
+        choices=["auto", "none", "q4_0", "w4a16"],
+        help="4-bit scheme (float checkpoints are quantized first, group 32); auto = as stored",
+    )
+    p.add_argument("--backend", required=True, choices=["executorch", "coreml", "onnx"])
+    p.add_argument("--delegate", default="cpu", choices=["cpu", "metal", "npu", "htp"])
+    p.add_argument("--max-context", type=int, default=4096, help="tokens the cache holds")
+    p.add_argument(
+        "--draft-depth",
+        type=int,
+        help="most drafts verified at once (default 3 with --drafter; 0 without: an AR-only "
+        "bundle has no verify rounds to build)",
+    )
+    p.add_argument(
+        "--prefill-chunk", type=int, help="rows per prefill call (default 128, at most the ring)"
+    )
+    p.add_argument(
+        "--context-buckets",
+        default="auto",
+        help="cache lengths with their own prefill and decode methods that read only that "
+        "many slots "
+        "(ExecuTorch cpu): comma-separated, 'none', or 'auto' = 512, 2048, ... below "
+        "--max-context",
+    )
+    p.add_argument(
+        "--activations",
+        choices=("int8", "fp32"),
+        help="ONNX cpu: what the 4-bit linears multiply; int8 (default, as XNNPACK's 8da4w: "
+        "1.3-2x faster decode) or fp32 (the reference engine's numerics)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("kernel", "matmul"),
+        help="ExecuTorch cpu: decode, verify and draft steps in edgemtp's kernels (default: "
+        "attention reads only the cache slots attended, Q4_0 linears run as llama.cpp does; "
+        "the runtime compiles them, the apps link them) or in XNNPACK alone (attention as "
+        "batched matmuls over every slot; any stock ExecuTorch runtime)",
+    )
+    p.add_argument("--out", required=True, type=Path, help="bundle folder to create")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
+
+
+def context_buckets(text: str, args: argparse.Namespace) -> tuple[int, ...]:
+    from edgemtp.export.static import auto_context_buckets
+
+    if text == "none":
+        return ()
+    if text == "auto":
+        cpu = (args.backend, args.delegate) == ("executorch", "cpu")
+        return auto_context_buckets(args.max_context) if cpu else ()
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise EdgeMTPError(
+            f"--context-buckets {text!r}: give token counts like 512,2048, 'auto' or 'none'"
+        ) from None
+
+
+def _check_context(max_context: int, max_draft: int, cfg: TextConfig, model: Path) -> None:
+    """A context the model was not trained for, or a cache larger than this machine's memory,
+    is refused before anything is allocated."""
+    from edgemtp.runtime.kv_cache import cache_bytes
+    from edgemtp.runtime.probes import physical_memory
+
+    if max_context > cfg.max_position_embeddings:
+        raise EdgeMTPError(
+            f"--max-context {max_context}: {model} attends to at most "
+            f"{cfg.max_position_embeddings} positions (max_position_embeddings); use no more"
+        )
+    need, have = cache_bytes(cfg, max_context, max_draft), physical_memory()
+    if need > have:
+        raise EdgeMTPError(
+            f"--max-context {max_context}: the KV cache alone takes {need / 2**30:.2f} GiB, more "
+            f"than this machine's {have / 2**30:.2f} GiB of memory; use a smaller --max-context"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from edgemtp.export.bundle import ExportRequest, export
+    from edgemtp.export.static import StaticShapes
+    from edgemtp.model.checkpoint import open_checkpoint, target_config
+    from edgemtp.runtime.kv_cache import cache_slots
+    from edgemtp.runtime.probes import peak_rss_mb
+
+    check_positive("--max-context", args.max_context, 2)
+    if args.draft_depth is None:
+        args.draft_depth = 3 if args.drafter else 0
+    check_positive("--draft-depth", args.draft_depth, 0)
+    check_positive("--prefill-chunk", args.prefill_chunk)
+    torch.set_num_threads(min(torch.get_num_threads(), 4))
+    if not args.model.exists():
+        raise EdgeMTPError(f"{args.model} does not exist")
+    source = open_checkpoint(args.model)
+    cfg = target_config(source.config, str(source.path))
+    _check_context(args.max_context, args.draft_depth, cfg, args.model)
+    smallest = min(cache_slots(cfg, args.max_context, args.draft_depth).values())
+    chunk = args.prefill_chunk or min(128, smallest)
+    if chunk > smallest:
+        raise EdgeMTPError(
+            f"--prefill-chunk {chunk} exceeds the smallest cache ({smallest} slots: sliding "
+            f"window {cfg.sliding_window} + draft depth {args.draft_depth} + 1); use <= {smallest}"
+        )
+    buckets = context_buckets(args.context_buckets, args)
+    try:
+        shapes = StaticShapes(args.max_context, args.draft_depth, chunk, buckets)
+    except ValueError as e:
+        raise EdgeMTPError(f"--context-buckets: {e}") from None
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    request = ExportRequest(
+        args.model,
+        args.drafter,
+        args.quant,
+        args.backend,
+        args.delegate,
+        shapes,
+        args.out,
+        args.force,
+        args.activations,
+        args.attention,
+    )
+    manifest = export(request, progress)
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    peak_mb = peak_rss_mb()
+    print(
+        f"wrote {args.out}: {size / 2**20:.1f} MiB ({manifest['quantization']['scheme']}, "
+        f"{args.backend}/{args.delegate}, {len(manifest['methods'])} methods) in "
+        f"{time.perf_counter() - t0:.1f} s, peak RSS {peak_mb:.0f} MB"
+    )
+    return 0
