@@ -104,6 +104,8 @@ def _open_session(args: argparse.Namespace):
         for flag, given in (("--drafter", args.drafter), ("--max-context", args.max_context)):
             if given:
                 raise EdgeMTPError(f"{flag} is for --model; a bundle carries its own")
+        if args.no_prune:
+            raise EdgeMTPError("--no-prune is for --model; a bundle's prefill always prunes")
         if args.no_verify:
             progress("--no-verify: not checking the bundle's files against their SHA-256")
         return Session.from_bundle(

@@ -470,6 +470,7 @@ def test_generate_from_a_bundle_on_the_command_line(onnx_bundle, reference, caps
         (["--delegate", "htp"], "exported for --delegate cpu; its program cannot run on htp"),
         (["--mtp", "7"], "verifies at most 4 drafts"),
         (["--drafter", "x"], "--drafter is for --model"),
+        (["--no-prune"], "--no-prune is for --model"),
     ],
 )
 def test_generate_bundle_errors_are_one_line(onnx_bundle, capsys, args, message):
