@@ -14,6 +14,9 @@ from edgemtp.errors import EdgeMTPError
 if TYPE_CHECKING:
     from edgemtp.model.config import TextConfig
 
+# --kernels -> what export/ calls the same choice (ExportRequest.attention)
+KERNELS = {"edgemtp": "kernel", "xnnpack": "matmul"}
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -56,13 +59,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "1.3-2x faster decode) or fp32 (the reference engine's numerics)",
     )
     p.add_argument(
-        "--attention",
-        choices=("kernel", "matmul"),
-        help="ExecuTorch cpu: decode, verify and draft steps in edgemtp's kernels (default: "
-        "attention reads only the cache slots attended, Q4_0 linears run as llama.cpp does; "
-        "the runtime compiles them, the apps link them) or in XNNPACK alone (attention as "
-        "batched matmuls over every slot; any stock ExecuTorch runtime)",
+        "--kernels",
+        choices=tuple(KERNELS),
+        help="which kernels an ExecuTorch cpu bundle runs its decode, verify and draft steps "
+        "in: edgemtp's own (default: Q4_0 linears, attention, norms, a float16 KV cache) or "
+        "XNNPACK's only, what the stock ExecuTorch runtimes have",
     )
+    # --kernels' old name (the switch covers more than attention): hidden, warns when used
+    p.add_argument("--attention", choices=tuple(KERNELS.values()), help=argparse.SUPPRESS)
     p.add_argument("--out", required=True, type=Path, help="bundle folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
 
@@ -102,6 +106,28 @@ def _check_context(max_context: int, max_draft: int, cfg: TextConfig, model: Pat
         )
 
 
+def _kernels(args: argparse.Namespace) -> str | None:
+    """ExportRequest.attention from --kernels or its deprecated alias --attention; None leaves
+    export/ its default (edgemtp's kernels on ExecuTorch cpu)."""
+    if args.attention is not None:
+        if args.kernels is not None:
+            raise EdgeMTPError("--attention is the old name of --kernels: pass only --kernels")
+        print(
+            "edgemtp export: --attention is deprecated; use --kernels edgemtp|xnnpack",
+            file=sys.stderr,
+        )
+        return args.attention
+    if args.kernels is None:
+        return None
+    if (args.backend, args.delegate) != ("executorch", "cpu"):
+        # export/ refuses it too, but naming --attention, the field's name there
+        raise EdgeMTPError(
+            f"--kernels is an ExecuTorch cpu option, not {args.backend}/{args.delegate} (the "
+            "other delegates run in their own kernels): drop it"
+        )
+    return KERNELS[args.kernels]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -111,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from edgemtp.runtime.kv_cache import cache_slots
     from edgemtp.runtime.probes import peak_rss_mb
 
+    kernels = _kernels(args)
     check_positive("--max-context", args.max_context, 2)
     if args.draft_depth is None:
         args.draft_depth = 3 if args.drafter else 0
@@ -149,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         args.force,
         args.activations,
-        args.attention,
+        kernels,
     )
     manifest = export(request, progress)
     size = sum(f["bytes"] for f in manifest["files"].values())

@@ -122,6 +122,47 @@ def test_bad_context_buckets(tiny, tmp_path, capsys, flags, expected):
     assert not out.exists() and _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize(("kernels", "attention"), [("edgemtp", "kernel"), ("xnnpack", "matmul")])
+def test_attention_is_a_deprecated_alias_of_kernels(
+    tiny, tmp_path, capsys, monkeypatch, kernels, attention
+):
+    """`--attention kernel|matmul` asks export/ for what `--kernels edgemtp|xnnpack` does, with
+    one deprecation line on stderr."""
+    import edgemtp.export.bundle
+
+    requests = []
+
+    def export(request, progress):  # the request export/ gets, not lowered
+        requests.append(request)
+        return {"files": {}, "quantization": {"scheme": "q4_0"}, "methods": {}}
+
+    monkeypatch.setattr(edgemtp.export.bundle, "export", export)
+    argv = ["export", "--model", str(tiny["q4_0"]), "--backend", "executorch"]
+    argv += ["--out", str(tmp_path / "bundle")]
+    assert main([*argv, "--kernels", kernels]) == 0
+    assert capsys.readouterr().err == ""
+    assert main([*argv, "--attention", attention]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "edgemtp export: --attention is deprecated; use --kernels edgemtp|xnnpack"
+    ]
+    assert requests[0] == requests[1] and requests[0].attention == attention
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (("--backend", "onnx", "--kernels", "xnnpack"), "--kernels is an ExecuTorch cpu option"),
+        (("--backend", "executorch", "--kernels", "edgemtp", "--attention", "matmul"),
+         "pass only --kernels"),
+    ],
+)  # fmt: skip
+def test_bad_kernels(tiny, tmp_path, capsys, flags, expected):
+    out = tmp_path / "bundle"
+    line = _export_error(capsys, "--model", tiny["q4_0"], *flags, "--out", out)
+    assert line.startswith("edgemtp export: error: ") and expected in line
+    assert not out.exists()
+
+
 def test_missing_qnn_sdk_is_named_before_any_work(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
     out = tmp_path / "bundle"
