@@ -1,0 +1,259 @@
+"""ExecuTorch's XNNPACK probes: the kernels an ExecuTorch bundle's CPU methods run, each lowered
+as export lowers the bundles and timed in this process (int4 and fp32 linears, the per-operator
+and per-call dispatch, nodes that are not matmuls, attention, the portable kernels)."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edgemtp.devices.calibrate.measure import (
+    GEMM_QUICK,
+    GEMM_SHAPES,
+    RESIDENT_LINEARS,
+    RESOLUTION_US,
+    STREAM_LINEARS,
+    attention_rates,
+    fit_gemm,
+    interleaved_medians,
+    stream_rate,
+    timings,
+)
+
+
+def xnnpack_program(module: torch.nn.Module, *inputs: torch.Tensor) -> Any:
+    """`module` lowered to XNNPACK as export lowers the bundles, loaded for this process."""
+    from executorch.extension.pybindings import portable_lib
+
+    from edgemtp.export.lower import (
+        backend_config,
+        export_method,
+        lower_programs,
+        xnnpack_partitioner,
+    )
+
+    edge = lower_programs(
+        {"forward": export_method(module, inputs)}, lambda: [xnnpack_partitioner()]
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "calibrate.pte"
+        path.write_bytes(edge.to_executorch(backend_config()).buffer)
+        return portable_lib._load_for_executorch(str(path))
+
+
+def int4_linear(n_in: int, n_out: int) -> torch.nn.Module:
+    from edgemtp.export.executorch import Int4Linear
+
+    codes = torch.randint(-8, 8, (n_out, n_in), dtype=torch.int8)
+    scales = torch.rand(n_out, n_in // 32) * 0.01 + 0.001
+    return Int4Linear(codes, scales, torch.zeros_like(scales, dtype=torch.int8), 32)
+
+
+class Int4Chain(torch.nn.Module):
+    """`count` int4 linears of n x n, one after another, each with its own weights."""
+
+    def __init__(self, n: int, count: int = RESIDENT_LINEARS):
+        super().__init__()
+        self.linears = torch.nn.ModuleList(int4_linear(n, n) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for linear in self.linears:
+            x = linear(x)
+        return x
+
+
+def _call_seconds(program: Any, x: torch.Tensor, calls: int, repeat: int = 5) -> float:
+    times = timings(lambda: [program.forward((x,)) for _ in range(calls)], repeat)
+    return statistics.median(times) / calls
+
+
+def memory_bandwidth(
+    n: int = 8192, rows: int = 1, linears: int = STREAM_LINEARS
+) -> tuple[float, float]:
+    """(median, best) GB/s the runtime's int4 linears stream weights at: `rows` rows (one: every
+    decode step; a few: a verify) through a chain of `linears` XNNPACK 8da4w linears of n x n
+    (default 8 x (32 MiB codes + 4 MiB bf16 scales): 288 MiB, past what one core streams from
+    its caches). One such linear alone is not past them on a host with a large last-level
+    cache: on one whose sysfs says 480 MiB, one core read 26 GB/s from 18 MiB, 16.5 from 72 MiB
+    and 14.5-15 from 142-576 MiB."""
+    program = xnnpack_program(Int4Chain(n, linears), torch.randn(rows, n))
+    weight_bytes = linears * (n * n / 2 + n * n / 32 * 2)
+    times = timings(lambda: program.forward((torch.randn(rows, n),)), 9)
+    return weight_bytes / statistics.median(times) / 1e9, weight_bytes / min(times) / 1e9
+
+
+def matmul_tops(dtype: str, n: int = 1024, rows: int = 256) -> float:
+    """T(FL)OPS of the runtime's GEMM for `dtype`: "fp32" an fp32 XNNPACK linear, "fp16"
+    torch's CPU fp16 GEMM (ExecuTorch's CPU programs have no fp16 path); int8: `int8_gemm`."""
+    flops = 2 * rows * n * n
+    if dtype == "fp16":
+        a, b = torch.randn(rows, n, dtype=torch.float16), torch.randn(n, n, dtype=torch.float16)
+        return flops / statistics.median(timings(lambda: a @ b, 3)) / 1e12
+    x, module = torch.randn(rows, n), torch.nn.Linear(n, n, bias=False)
+    return flops / _call_seconds(xnnpack_program(module, x), x, 3) / 1e12
+
+
+def int8_gemm(quick: bool = False) -> tuple[float, float]:
+    """`fit_gemm` of XNNPACK's 8da4w linear (int8 activations x int4 weights, as the Q4_0
+    bundles compute) on `GEMM_SHAPES`, timed interleaved."""
+    shapes = GEMM_QUICK if quick else GEMM_SHAPES
+    calls = []
+    for rows, side in shapes:
+        x = torch.randn(rows, side)
+        program = xnnpack_program(int4_linear(side, side), x)
+        calls.append(lambda p=program, x=x: [p.forward((x,)) for _ in range(3)])
+    seconds = interleaved_medians(calls, 5 if quick else 15)
+    return fit_gemm(shapes, [t / 3 for t in seconds])
+
+
+def linear_chain(ops: int) -> torch.nn.Module:
+    """`ops` applications of one 64 x 64 linear, one XNNPACK operator each."""
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(ops):
+                x = self.linear(x)
+            return x
+
+    return Chain()
+
+
+class MultiplyChain(torch.nn.Module):
+    """`ops` multiplies of a row by a weight vector, one XNNPACK elementwise node each."""
+
+    def __init__(self, ops: int, width: int):
+        super().__init__()
+        self.ops, self.weight = ops, torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.ops):
+            x = x * self.weight
+        return x
+
+
+NODE_WIDTH = 1536  # a row of E2B's hidden size
+
+
+def executorch_node_us(calls: int = 2000) -> float:
+    """µs per XNNPACK node that is not a matmul (a decode step's norms, activations, adds,
+    reshapes: 70 % of its nodes): chains of 1 and 201 multiplies on one row of E2B's hidden
+    size, (t201 - t1) / 200, interleaved: 0.25-0.32 µs here, a fifth to a quarter of a matmul
+    node's `dispatch_us` (XNNPACK runs them on the calling thread, not through its pool)."""
+    x = torch.zeros(1, NODE_WIDTH)
+    programs = [xnnpack_program(MultiplyChain(n, NODE_WIDTH), x) for n in (1, 201)]
+    t1, t201 = interleaved_medians(
+        [lambda p=p: [p.forward((x,)) for _ in range(calls)] for p in programs], 5
+    )
+    return max((t201 - t1) / calls / 200 * 1e6, RESOLUTION_US)
+
+
+class ElementwiseMix(torch.nn.Module):
+    """`length` XNNPACK nodes of what a decoder layer runs between its linears, in turn: a
+    scale, a residual add, the activation's tanh, a square (the norm's)."""
+
+    def __init__(self, length: int, width: int):
+        super().__init__()
+        self.length, self.weight = length, torch.nn.Parameter(torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.length):
+            kind = i % 4
+            if kind == 0:
+                x = x * self.weight
+            elif kind == 1:
+                x = x + self.weight
+            elif kind == 2:
+                x = torch.tanh(x)
+            else:
+                x = x * x
+        return x
+
+
+def executorch_ns_per_element(quick: bool = False) -> float:
+    """ns per element XNNPACK's nodes other than matmuls write: `ElementwiseMix` of 24 nodes on
+    64 rows of 1536 less on 8 rows, interleaved; dispatch cancels. A prefill chunk's norms,
+    activations, adds and copies write 128 rows each."""
+    width, many, few, length = (256, 16, 2, 8) if quick else (NODE_WIDTH, 64, 8, 24)
+    calls = []
+    for rows in (many, few):
+        x = torch.zeros(rows, width)
+        program = xnnpack_program(ElementwiseMix(length, width), x)
+        calls.append(lambda p=program, x=x: p.forward((x,)))
+    t_many, t_few = interleaved_medians(calls, 5 if quick else 50)
+    return max((t_many - t_few) / (length * (many - few) * width) * 1e9, 1e-3)
+
+
+def resident_bandwidth(n: int, rows: int, fixed_us: float, calls: int = 20) -> float:
+    """GB/s XNNPACK 8da4w linears stream their weights at when they stay in the cache: a chain
+    of `RESIDENT_LINEARS` linears of n x n called over and over, less `fixed_us` per call (the
+    program call and each linear's launches, which the simulator prices apart)."""
+    program = xnnpack_program(Int4Chain(n), torch.randn(rows, n))
+    weight_bytes = RESIDENT_LINEARS * (n * n / 2 + n * n / 32 * 2)
+    seconds = _call_seconds(program, torch.randn(rows, n), calls, 9)
+    return stream_rate(weight_bytes, seconds, fixed_us * 1e-6)
+
+
+def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, float]:
+    """(µs per XNNPACK operator, µs per program call) from chains of 1 and 201 linears of
+    64 x 64 on one row: 8 k multiply-adds each, so what is left is an operator's fixed cost
+    (setup, thread-pool dispatch). A chain of tiny adds would say 0.1 µs: XNNPACK runs those
+    on one thread, where a model's GEMMs go through the thread pool."""
+    x = torch.zeros(1, 64)
+    per_call = {n: _call_seconds(xnnpack_program(linear_chain(n), x), x, calls) for n in (1, 201)}
+    return (per_call[201] - per_call[1]) / 200 * 1e6, per_call[1] * 1e6
+
+
+class SegmentAttention(torch.nn.Module):
+    """Attention as the exported methods compute it (`exportable.segment_attention`, one KV
+    head): scores against the cache and the call's own rows apart, the additive mask, softmax,
+    and each segment's probabilities times its values."""
+
+    def forward(self, q, k_cache, k_rows, v_cache, v_rows, mask):  # type: ignore[no-untyped-def]
+        from edgemtp.export.exportable import segment_attention
+
+        group = q.shape[1] // mask.shape[0]
+        return segment_attention(q, (k_cache, k_rows), (v_cache, v_rows), mask, group)
+
+
+def executorch_attention(quick: bool = False) -> tuple[float, float, float]:
+    """`attention_rates` of XNNPACK: `SegmentAttention` lowered as the bundles are."""
+
+    def make(inputs: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+        program = xnnpack_program(SegmentAttention(), *inputs)
+        return lambda: program.forward(inputs)
+
+    return attention_rates(make, quick)
+
+
+class SlotBookkeeping(torch.nn.Module):
+    """The cache's slot positions updated as the exported methods update them
+    (`StaticCache.write`): comparisons and selections over [slots, rows], which no delegate
+    takes and ExecuTorch's portable kernels run element by element."""
+
+    def forward(self, kept: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor):  # type: ignore[no-untyped-def]
+        hit = torch.arange(kept.shape[0])[:, None] == slot[None, :]
+        written = torch.where(hit, positions[None, :], -2).amax(1)
+        return torch.where(hit.any(1), written, kept)
+
+
+def portable_ns_per_element(quick: bool = False) -> float:
+    """ns per element a portable kernel writes: `SlotBookkeeping` over 4096 slots for 64 and
+    for 8 rows, interleaved; the difference is two [slots, rows] passes (== and where) over 56
+    more rows, the fixed costs cancel."""
+    slots, many, few = (256, 32, 4) if quick else (4096, 64, 8)
+    calls = []
+    for rows in (many, few):
+        inputs = (torch.full((slots,), -1), torch.arange(rows) % slots, torch.arange(rows))
+        program = xnnpack_program(SlotBookkeeping(), *inputs)
+        calls.append(lambda p=program, x=inputs: p.forward(x))
+    t_many, t_few = interleaved_medians(calls, 5 if quick else 25)
+    return max((t_many - t_few) / (2 * slots * (many - few)) * 1e9, 1e-3)
