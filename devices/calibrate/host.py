@@ -8,13 +8,12 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from edgemtp.devices.calibrate.measure import RESIDENT_LINEARS, RESOLUTION_US, timings
+from edgemtp.devices.calibrate.measure import RESIDENT_LINEARS, RESOLUTION_US, Call, timings
 from edgemtp.devices.calibrate.xnnpack import int4_linear, xnnpack_program
 
 
@@ -59,7 +58,7 @@ def measured_power(seconds: float = 3.0) -> tuple[float, float] | str:
         return why
     a = torch.randn(1024, 1024)
 
-    def watts(work: Callable[[], object] | None) -> float:
+    def watts(work: Call | None) -> float:
         first = reader.sample()
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
@@ -90,9 +89,7 @@ class StandInProgram:
     of that method's output shapes (as `StaticBackend` reads them): decoding through it times
     edgemtp's host side as it runs between real program calls, caches cleared by each."""
 
-    def __init__(
-        self, shapes: Any, hidden: int, vocab: int, candidates: int, work: Callable[[], object]
-    ):
+    def __init__(self, shapes: Any, hidden: int, vocab: int, candidates: int, work: Call):
         self.shapes, self.work = shapes, work
         zeros = torch.zeros
         self.outputs: dict[str, tuple[torch.Tensor, ...]] = {

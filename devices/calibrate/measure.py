@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+Call = Callable[[], object]  # what a probe times: one run of a kernel, or several in a row
 VERIFY_PROBE_ROWS = 4  # a verify of 3 drafts
 # The least a fitted per-call or per-operator overhead is written as: a difference of two
 # timings can come out at or under zero when the overhead is below the machine's noise, and a
@@ -16,7 +17,8 @@ VERIFY_PROBE_ROWS = 4  # a verify of 3 drafts
 RESOLUTION_US = 0.01
 
 
-def timings(run: Callable[[], object], repeat: int) -> list[float]:
+def timings(run: Call, repeat: int) -> list[float]:
+    """Seconds of each of `repeat` runs of `run`, after one untimed run."""
     run()  # warm-up: page faults, thread pools, lazy initialisation
     times = []
     for _ in range(repeat):
@@ -26,7 +28,11 @@ def timings(run: Callable[[], object], repeat: int) -> list[float]:
     return times
 
 
-def interleaved_medians(calls: Sequence[Callable[[], object]], rounds: int) -> list[float]:
+def median_seconds(run: Call, repeat: int) -> float:
+    return statistics.median(timings(run, repeat))
+
+
+def interleaved_medians(calls: Sequence[Call], rounds: int) -> list[float]:
     """Median seconds of each call, timed in turn round after round (so that the host's drift
     falls on all of them alike)."""
     times: list[list[float]] = [[] for _ in calls]
@@ -44,6 +50,15 @@ STREAM_LINEARS = 8  # linears of 8192 x 8192 in the streaming probe: 288 MiB of 
 # narrow one (E2B's hidden size is 1536, the embedded model's 256)
 GEMM_SHAPES = ((256, 1024), (256, 256))
 GEMM_QUICK = ((8, 128), (8, 32))
+GEMM_CALLS = 3  # calls of a GEMM per timing
+
+
+def gemm_rates(make: Callable[[int, int], Call], quick: bool) -> tuple[float, float]:
+    """`fit_gemm` of a runtime's int8 linear, from `make(rows, side)` (`GEMM_CALLS` calls of a
+    linear of side x side on `rows` rows) timed on `GEMM_SHAPES`, interleaved."""
+    shapes = GEMM_QUICK if quick else GEMM_SHAPES
+    seconds = interleaved_medians([make(rows, side) for rows, side in shapes], 5 if quick else 15)
+    return fit_gemm(shapes, [t / GEMM_CALLS for t in seconds])
 
 
 def fit_gemm(shapes: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float]:
@@ -69,6 +84,15 @@ def stream_rate(weight_bytes: float, seconds: float, fixed_s: float) -> float:
     return weight_bytes / streaming / 1e9
 
 
+def ns_per_element(
+    make: Callable[[int], Call], many: int, few: int, per_row: int, rounds: int
+) -> float:
+    """ns per element written, from `make(rows)` (a call that writes `per_row` elements a row)
+    on `many` rows less on `few`, timed interleaved: the fixed costs cancel."""
+    t_many, t_few = interleaved_medians([make(many), make(few)], rounds)
+    return max((t_many - t_few) / (per_row * (many - few)) * 1e9, 1e-3)
+
+
 # (heads, rows, cache keys, head dim): two prefill chunks over a short cache, alike but for the
 # head dim (score-bound: their difference is the matmuls' FLOP rate), and a decode step over a
 # long cache (K/V-bound)
@@ -86,7 +110,7 @@ def attention_inputs(heads: int, rows: int, keys: int, dim: int) -> tuple[torch.
 
 
 def attention_rates(
-    make: Callable[[tuple[torch.Tensor, ...]], Callable[[], object]], quick: bool = False
+    make: Callable[[tuple[torch.Tensor, ...]], Call], quick: bool = False
 ) -> tuple[float, float, float]:
     """(TFLOPS of the matmuls, ns per score, GB/s the K/V stream at) of a runtime's attention,
     from `make(inputs)` (a call of `SegmentAttention` on those inputs) timed on the three

@@ -5,25 +5,24 @@ writes it), in CPU sessions set up as the runtime sets its own; they fill the pr
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from edgemtp.devices.calibrate.host import resident_size
 from edgemtp.devices.calibrate.measure import (
-    GEMM_QUICK,
-    GEMM_SHAPES,
+    GEMM_CALLS,
     RESIDENT_LINEARS,
     RESOLUTION_US,
     STREAM_LINEARS,
     VERIFY_PROBE_ROWS,
+    Call,
     attention_rates,
-    fit_gemm,
+    gemm_rates,
     interleaved_medians,
+    median_seconds,
+    ns_per_element,
     stream_rate,
-    timings,
 )
 
 
@@ -47,11 +46,19 @@ def _ort_session(graph: Any, threads: int) -> Any:
     )
 
 
-def _nbits_linear(k: int, n: int, rows: int, threads: int, count: int = 1) -> tuple[Any, float]:
-    """(session, weight bytes of one) of `count` independent MatMulNBits [rows, k] x [k, n]
-    (inputs x0.., outputs y0.., weights of their own), 4-bit, blocks of 32, fp32 scales, int8
-    activations (accuracy level 4): the node an ONNX cpu bundle's 4-bit linears become with
-    export's default `--activations int8`."""
+def run_calls(session: Any, feed: dict[str, Any], times: int) -> Call:
+    """A call that runs `session` on `feed` `times` times in a row."""
+    return lambda: [session.run(None, feed) for _ in range(times)]
+
+
+def _nbits_linear(
+    k: int, n: int, rows: int, threads: int, count: int = 1, seed: int = 1
+) -> tuple[Any, dict[str, Any], float]:
+    """(session, feed, weight bytes of one) of `count` independent MatMulNBits [rows, k] x
+    [k, n] (inputs x0.., outputs y0.., weights of their own), 4-bit, blocks of 32, fp32 scales,
+    int8 activations (accuracy level 4): the node an ONNX cpu bundle's 4-bit linears become
+    with export's default `--activations int8`. The feed gives every linear one input, drawn
+    from `seed`."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper
@@ -72,7 +79,9 @@ def _nbits_linear(k: int, n: int, rows: int, threads: int, count: int = 1) -> tu
         inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [rows, k]))
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [rows, n]))
     graph = helper.make_graph(nodes, "nbits", inputs, outputs, weights)
-    return _ort_session(graph, threads), codes.nbytes + scales.nbytes
+    x = np.random.default_rng(seed).standard_normal((rows, k), dtype=np.float32)
+    feed = {f"x{i}": x for i in range(count)}
+    return _ort_session(graph, threads), feed, codes.nbytes + scales.nbytes
 
 
 def onnx_attention(threads: int, quick: bool = False) -> tuple[float, float, float]:
@@ -119,7 +128,7 @@ def onnx_attention(threads: int, quick: bool = False) -> tuple[float, float, flo
         out = [tensor("out", [1, heads * rows, dim])]
         return helper.make_graph(nodes, "attention", inputs, out, consts)
 
-    def make(inputs: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+    def make(inputs: tuple[torch.Tensor, ...]) -> Call:
         heads_rows, dim = inputs[0].shape[1:]
         rows, keys = inputs[5].shape[0], inputs[1].shape[1]
         session = _ort_session(graph(heads_rows // rows, rows, keys, dim), threads)
@@ -163,12 +172,11 @@ def onnx_ns_per_element(threads: int, quick: bool = False) -> float:
         )  # fmt: skip
         return _ort_session(graph, threads)
 
-    calls = []
-    for rows in (many, few):
+    def make(rows: int) -> Call:
         s, x = session(rows), np.ones((rows, width), dtype=np.float32)
-        calls.append(lambda s=s, x=x: s.run(None, {"h0": x}))
-    t_many, t_few = interleaved_medians(calls, 5 if quick else 50)
-    return max((t_many - t_few) / (length * (many - few) * width) * 1e9, 1e-3)
+        return lambda: s.run(None, {"h0": x})
+
+    return ns_per_element(make, many, few, length * width, 5 if quick else 50)
 
 
 # What a decoder layer runs between its linears, in ONNX: views, a transposed copy, a split and
@@ -228,6 +236,46 @@ def _onnx_node_chain(repeats: int, width: int, threads: int) -> tuple[Any, int]:
 NARROW_GEMV = (384, 2048, 600)
 
 
+def _stream_gbs(k: int, n: int, rows: int, threads: int) -> float:
+    """GB/s of `rows` rows through `STREAM_LINEARS` MatMulNBits of k x n (past the caches, as
+    `xnnpack.memory_bandwidth`'s probe), median of 9."""
+    session, feed, weight_bytes = _nbits_linear(k, n, rows, threads, STREAM_LINEARS)
+    seconds = median_seconds(lambda: session.run(None, feed), 9)
+    return STREAM_LINEARS * weight_bytes / seconds / 1e9
+
+
+def _node_costs(threads: int, calls: int, rounds: int) -> tuple[float, float]:
+    """(seconds per node, µs per session.run beyond its nodes): sessions of `DECODER_NODE_MIX`
+    on one row of 64, once and 20 times over, `calls` runs a timing, interleaved."""
+    import numpy as np
+
+    chains = [_onnx_node_chain(repeats, 64, threads) for repeats in (1, 20)]
+    feed = {"h0": np.ones((1, 64), dtype=np.float32)}
+    per_call = interleaved_medians([run_calls(s, feed, calls) for s, _ in chains], rounds)
+    (_, few), (_, many) = chains
+    per_node = (per_call[1] - per_call[0]) / calls / (many - few)
+    return per_node, max((per_call[0] / calls - few * per_node) * 1e6, RESOLUTION_US)
+
+
+def _linear_us(
+    threads: int, linears: int, calls: int, rounds: int, per_node: float, bandwidth_gbs: float
+) -> float:
+    """µs a MatMulNBits takes beyond its weight bytes at `bandwidth_gbs` and its launch
+    (`per_node` seconds): sessions of `linears` and of one independent 64 x 64 linears on one
+    row, `calls` runs a timing, interleaved; their bytes stream in under a microsecond, the rest
+    is the kernel's own setup."""
+    import numpy as np
+
+    sessions = [_nbits_linear(64, 64, 1, threads, count) for count in (1, linears)]
+    inputs = [{f"x{i}": np.ones((1, 64), np.float32) for i in range(c)} for c in (1, linears)]
+    per_call = interleaved_medians(
+        [run_calls(s, f, calls) for (s, _, _), f in zip(sessions, inputs, strict=True)], rounds
+    )
+    per_linear = (per_call[1] - per_call[0]) / calls / (linears - 1)
+    streaming = sessions[0][2] / (bandwidth_gbs * 1e9)
+    return max((per_linear - streaming - per_node) * 1e6, RESOLUTION_US)
+
+
 def onnx_kernels(
     threads: int, quick: bool = False, limit_mb: float | None = None
 ) -> dict[str, float]:
@@ -239,52 +287,21 @@ def onnx_kernels(
     microsecond, the rest is the kernel's own setup), and what a narrow one on one row takes
     beyond its bytes at the probe's rate, its launch and that setup, per element it reads or
     writes (`NARROW_GEMV`: ~9 GB/s where the 8192 x 8192 probe streams 11)."""
-    import numpy as np
-
     k = n = 1024 if quick else 8192
-    bandwidth = {}
-    for rows in (1, VERIFY_PROBE_ROWS):  # past the caches, as memory_bandwidth's probe
-        session, weight_bytes = _nbits_linear(k, n, rows, threads, STREAM_LINEARS)
-        x = np.random.default_rng(1).standard_normal((rows, k), dtype=np.float32)
-        feed = {f"x{i}": x for i in range(STREAM_LINEARS)}
-        times = timings(lambda s=session, f=feed: s.run(None, f), 9)
-        bandwidth[rows] = STREAM_LINEARS * weight_bytes / statistics.median(times) / 1e9
-    shapes = GEMM_QUICK if quick else GEMM_SHAPES
-    gemms = []
-    for rows, side in shapes:
-        session, _ = _nbits_linear(side, side, rows, threads)
-        x = np.random.default_rng(2).standard_normal((rows, side), dtype=np.float32)
-        gemms.append(lambda s=session, x=x: [s.run(None, {"x0": x}) for _ in range(3)])
-    seconds = interleaved_medians(gemms, 5 if quick else 15)
-    tops, ns_per_linear_element = fit_gemm(shapes, [t / 3 for t in seconds])
+    bandwidth = {rows: _stream_gbs(k, n, rows, threads) for rows in (1, VERIFY_PROBE_ROWS)}
 
-    calls = 20 if quick else 200
-    chains = [_onnx_node_chain(repeats, 64, threads) for repeats in (1, 20)]
-    feed = {"h0": np.ones((1, 64), dtype=np.float32)}
-    rounds = 5 if quick else 9
-    per_call = interleaved_medians(
-        [lambda s=s: [s.run(None, feed) for _ in range(calls)] for s, _ in chains], rounds
-    )
-    (_, few), (_, many) = chains
-    per_node = (per_call[1] - per_call[0]) / calls / (many - few)
+    def gemm(rows: int, side: int) -> Call:
+        session, feed, _ = _nbits_linear(side, side, rows, threads, seed=2)
+        return run_calls(session, feed, GEMM_CALLS)
 
+    tops, ns_per_linear_element = gemm_rates(gemm, quick)
+    calls, rounds = (20, 5) if quick else (200, 9)
+    per_node, call_us = _node_costs(threads, calls, rounds)
     linears = 8 if quick else 64
-    sessions = [_nbits_linear(64, 64, 1, threads, count) for count in (1, linears)]
-    inputs = [{f"x{i}": np.ones((1, 64), np.float32) for i in range(c)} for c in (1, linears)]
-    per_call_linears = interleaved_medians(
-        [lambda s=s, f=f: [s.run(None, f) for _ in range(calls // 4)]
-         for (s, _), f in zip(sessions, inputs, strict=True)],
-        rounds,
-    )  # fmt: skip
-    per_linear = (per_call_linears[1] - per_call_linears[0]) / (calls // 4) / (linears - 1)
-    streaming = sessions[0][1] / (bandwidth[1] * 1e9)
-    linear_us = max((per_linear - streaming - per_node) * 1e6, RESOLUTION_US)
-    call_us = max((per_call[0] / calls - few * per_node) * 1e6, RESOLUTION_US)
+    linear_us = _linear_us(threads, linears, calls // 4, rounds, per_node, bandwidth[1])
     k, n, count = (64, 256, 8) if quick else NARROW_GEMV
-    session, weight_bytes = _nbits_linear(k, n, 1, threads, count)
-    x = np.random.default_rng(1).standard_normal((1, k), dtype=np.float32)
-    feed = {f"x{i}": x for i in range(count)}
-    seconds = statistics.median(timings(lambda: session.run(None, feed), 9)) / count
+    session, feed, weight_bytes = _nbits_linear(k, n, 1, threads, count)
+    seconds = median_seconds(lambda: session.run(None, feed), 9) / count
     beyond = seconds - weight_bytes / (bandwidth[1] * 1e9) - per_node - linear_us * 1e-6
     gemv_ns = max(beyond, 0.0) / (k + n) * 1e9
     resident = {}
@@ -292,11 +309,8 @@ def onnx_kernels(
         side, count = resident_size(limit_mb, quick), RESIDENT_LINEARS
         fixed_s = (call_us + count * (per_node * 1e6 + linear_us)) * 1e-6
         for rows in (1, VERIFY_PROBE_ROWS):
-            session, weight_bytes = _nbits_linear(side, side, rows, threads, count)
-            x = np.random.default_rng(1).standard_normal((rows, side), dtype=np.float32)
-            feed = {f"x{i}": x for i in range(count)}
-            times = timings(lambda s=session, f=feed: [s.run(None, f) for _ in range(20)], 9)
-            seconds = statistics.median(times) / 20
+            session, feed, weight_bytes = _nbits_linear(side, side, rows, threads, count)
+            seconds = median_seconds(run_calls(session, feed, 20), 9) / 20
             resident[rows] = stream_rate(count * weight_bytes, seconds, fixed_s)
     return {
         "memory_bandwidth_gbs": bandwidth[1],

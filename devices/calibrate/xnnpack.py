@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from edgemtp.devices.calibrate.measure import (
-    GEMM_QUICK,
-    GEMM_SHAPES,
+    GEMM_CALLS,
     RESIDENT_LINEARS,
     RESOLUTION_US,
     STREAM_LINEARS,
+    Call,
     attention_rates,
-    fit_gemm,
+    gemm_rates,
     interleaved_medians,
+    median_seconds,
+    ns_per_element,
     stream_rate,
     timings,
 )
@@ -46,6 +47,16 @@ def xnnpack_program(module: torch.nn.Module, *inputs: torch.Tensor) -> Any:
         return portable_lib._load_for_executorch(str(path))
 
 
+def forward_calls(program: Any, inputs: tuple[torch.Tensor, ...], times: int) -> Call:
+    """A call that runs `program` on `inputs` `times` times in a row."""
+    return lambda: [program.forward(inputs) for _ in range(times)]
+
+
+def call_seconds(program: Any, x: torch.Tensor, calls: int, repeat: int = 5) -> float:
+    """Seconds per call of `program` on `x`: `calls` calls in a row, median of `repeat`."""
+    return median_seconds(forward_calls(program, (x,), calls), repeat) / calls
+
+
 def int4_linear(n_in: int, n_out: int) -> torch.nn.Module:
     from edgemtp.export.executorch import Int4Linear
 
@@ -54,22 +65,38 @@ def int4_linear(n_in: int, n_out: int) -> torch.nn.Module:
     return Int4Linear(codes, scales, torch.zeros_like(scales, dtype=torch.int8), 32)
 
 
-class Int4Chain(torch.nn.Module):
-    """`count` int4 linears of n x n, one after another, each with its own weights."""
+def int4_weight_bytes(n_in: int, n_out: int) -> float:
+    """Bytes an int4 linear's weights take: 4-bit codes and a bf16 scale per 32."""
+    return n_in * n_out / 2 + n_in * n_out / 32 * 2
 
-    def __init__(self, n: int, count: int = RESIDENT_LINEARS):
+
+def int4_chain(n: int, count: int = RESIDENT_LINEARS) -> torch.nn.Module:
+    """`count` int4 linears of n x n, one after another, each with its own weights."""
+    return torch.nn.Sequential(*(int4_linear(n, n) for _ in range(count)))
+
+
+class Repeat(torch.nn.Module):
+    """`layer` applied `times` over: programs that differ by a known count of one operator."""
+
+    def __init__(self, layer: torch.nn.Module, times: int):
         super().__init__()
-        self.linears = torch.nn.ModuleList(int4_linear(n, n) for _ in range(count))
+        self.layer, self.times = layer, times
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for linear in self.linears:
-            x = linear(x)
+        for _ in range(self.times):
+            x = self.layer(x)
         return x
 
 
-def _call_seconds(program: Any, x: torch.Tensor, calls: int, repeat: int = 5) -> float:
-    times = timings(lambda: [program.forward((x,)) for _ in range(calls)], repeat)
-    return statistics.median(times) / calls
+class Scale(torch.nn.Module):
+    """A row times a weight vector: one XNNPACK elementwise node."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
 
 
 def memory_bandwidth(
@@ -81,8 +108,8 @@ def memory_bandwidth(
     its caches). One such linear alone is not past them on a host with a large last-level
     cache: on one whose sysfs says 480 MiB, one core read 26 GB/s from 18 MiB, 16.5 from 72 MiB
     and 14.5-15 from 142-576 MiB."""
-    program = xnnpack_program(Int4Chain(n, linears), torch.randn(rows, n))
-    weight_bytes = linears * (n * n / 2 + n * n / 32 * 2)
+    program = xnnpack_program(int4_chain(n, linears), torch.randn(rows, n))
+    weight_bytes = linears * int4_weight_bytes(n, n)
     times = timings(lambda: program.forward((torch.randn(rows, n),)), 9)
     return weight_bytes / statistics.median(times) / 1e9, weight_bytes / min(times) / 1e9
 
@@ -93,51 +120,25 @@ def matmul_tops(dtype: str, n: int = 1024, rows: int = 256) -> float:
     flops = 2 * rows * n * n
     if dtype == "fp16":
         a, b = torch.randn(rows, n, dtype=torch.float16), torch.randn(n, n, dtype=torch.float16)
-        return flops / statistics.median(timings(lambda: a @ b, 3)) / 1e12
+        return flops / median_seconds(lambda: a @ b, 3) / 1e12
     x, module = torch.randn(rows, n), torch.nn.Linear(n, n, bias=False)
-    return flops / _call_seconds(xnnpack_program(module, x), x, 3) / 1e12
+    return flops / call_seconds(xnnpack_program(module, x), x, 3) / 1e12
 
 
 def int8_gemm(quick: bool = False) -> tuple[float, float]:
     """`fit_gemm` of XNNPACK's 8da4w linear (int8 activations x int4 weights, as the Q4_0
-    bundles compute) on `GEMM_SHAPES`, timed interleaved."""
-    shapes = GEMM_QUICK if quick else GEMM_SHAPES
-    calls = []
-    for rows, side in shapes:
+    bundles compute): `gemm_rates`."""
+
+    def make(rows: int, side: int) -> Call:
         x = torch.randn(rows, side)
-        program = xnnpack_program(int4_linear(side, side), x)
-        calls.append(lambda p=program, x=x: [p.forward((x,)) for _ in range(3)])
-    seconds = interleaved_medians(calls, 5 if quick else 15)
-    return fit_gemm(shapes, [t / 3 for t in seconds])
+        return forward_calls(xnnpack_program(int4_linear(side, side), x), (x,), GEMM_CALLS)
+
+    return gemm_rates(make, quick)
 
 
 def linear_chain(ops: int) -> torch.nn.Module:
     """`ops` applications of one 64 x 64 linear, one XNNPACK operator each."""
-
-    class Chain(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(64, 64)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for _ in range(ops):
-                x = self.linear(x)
-            return x
-
-    return Chain()
-
-
-class MultiplyChain(torch.nn.Module):
-    """`ops` multiplies of a row by a weight vector, one XNNPACK elementwise node each."""
-
-    def __init__(self, ops: int, width: int):
-        super().__init__()
-        self.ops, self.weight = ops, torch.nn.Parameter(torch.randn(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.ops):
-            x = x * self.weight
-        return x
+    return Repeat(torch.nn.Linear(64, 64), ops)
 
 
 NODE_WIDTH = 1536  # a row of E2B's hidden size
@@ -149,10 +150,8 @@ def executorch_node_us(calls: int = 2000) -> float:
     size, (t201 - t1) / 200, interleaved: 0.25-0.32 µs here, a fifth to a quarter of a matmul
     node's `dispatch_us` (XNNPACK runs them on the calling thread, not through its pool)."""
     x = torch.zeros(1, NODE_WIDTH)
-    programs = [xnnpack_program(MultiplyChain(n, NODE_WIDTH), x) for n in (1, 201)]
-    t1, t201 = interleaved_medians(
-        [lambda p=p: [p.forward((x,)) for _ in range(calls)] for p in programs], 5
-    )
+    programs = [xnnpack_program(Repeat(Scale(NODE_WIDTH), n), x) for n in (1, 201)]
+    t1, t201 = interleaved_medians([forward_calls(p, (x,), calls) for p in programs], 5)
     return max((t201 - t1) / calls / 200 * 1e6, RESOLUTION_US)
 
 
@@ -183,22 +182,22 @@ def executorch_ns_per_element(quick: bool = False) -> float:
     64 rows of 1536 less on 8 rows, interleaved; dispatch cancels. A prefill chunk's norms,
     activations, adds and copies write 128 rows each."""
     width, many, few, length = (256, 16, 2, 8) if quick else (NODE_WIDTH, 64, 8, 24)
-    calls = []
-    for rows in (many, few):
+
+    def make(rows: int) -> Call:
         x = torch.zeros(rows, width)
         program = xnnpack_program(ElementwiseMix(length, width), x)
-        calls.append(lambda p=program, x=x: p.forward((x,)))
-    t_many, t_few = interleaved_medians(calls, 5 if quick else 50)
-    return max((t_many - t_few) / (length * (many - few) * width) * 1e9, 1e-3)
+        return lambda: program.forward((x,))
+
+    return ns_per_element(make, many, few, length * width, 5 if quick else 50)
 
 
 def resident_bandwidth(n: int, rows: int, fixed_us: float, calls: int = 20) -> float:
     """GB/s XNNPACK 8da4w linears stream their weights at when they stay in the cache: a chain
     of `RESIDENT_LINEARS` linears of n x n called over and over, less `fixed_us` per call (the
     program call and each linear's launches, which the simulator prices apart)."""
-    program = xnnpack_program(Int4Chain(n), torch.randn(rows, n))
-    weight_bytes = RESIDENT_LINEARS * (n * n / 2 + n * n / 32 * 2)
-    seconds = _call_seconds(program, torch.randn(rows, n), calls, 9)
+    program = xnnpack_program(int4_chain(n), torch.randn(rows, n))
+    weight_bytes = RESIDENT_LINEARS * int4_weight_bytes(n, n)
+    seconds = call_seconds(program, torch.randn(rows, n), calls, 9)
     return stream_rate(weight_bytes, seconds, fixed_us * 1e-6)
 
 
@@ -208,7 +207,7 @@ def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, floa
     (setup, thread-pool dispatch). A chain of tiny adds would say 0.1 µs: XNNPACK runs those
     on one thread, where a model's GEMMs go through the thread pool."""
     x = torch.zeros(1, 64)
-    per_call = {n: _call_seconds(xnnpack_program(linear_chain(n), x), x, calls) for n in (1, 201)}
+    per_call = {n: call_seconds(xnnpack_program(linear_chain(n), x), x, calls) for n in (1, 201)}
     return (per_call[201] - per_call[1]) / 200 * 1e6, per_call[1] * 1e6
 
 
@@ -227,7 +226,7 @@ class SegmentAttention(torch.nn.Module):
 def executorch_attention(quick: bool = False) -> tuple[float, float, float]:
     """`attention_rates` of XNNPACK: `SegmentAttention` lowered as the bundles are."""
 
-    def make(inputs: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+    def make(inputs: tuple[torch.Tensor, ...]) -> Call:
         program = xnnpack_program(SegmentAttention(), *inputs)
         return lambda: program.forward(inputs)
 
@@ -250,10 +249,10 @@ def portable_ns_per_element(quick: bool = False) -> float:
     for 8 rows, interleaved; the difference is two [slots, rows] passes (== and where) over 56
     more rows, the fixed costs cancel."""
     slots, many, few = (256, 32, 4) if quick else (4096, 64, 8)
-    calls = []
-    for rows in (many, few):
+
+    def make(rows: int) -> Call:
         inputs = (torch.full((slots,), -1), torch.arange(rows) % slots, torch.arange(rows))
         program = xnnpack_program(SlotBookkeeping(), *inputs)
-        calls.append(lambda p=program, x=inputs: p.forward(x))
-    t_many, t_few = interleaved_medians(calls, 5 if quick else 25)
-    return max((t_many - t_few) / (2 * slots * (many - few)) * 1e9, 1e-3)
+        return lambda: program.forward(inputs)
+
+    return ns_per_element(make, many, few, 2 * slots, 5 if quick else 25)
