@@ -1,33 +1,14 @@
 """`edgemtp devices calibrate`: measure this machine and write its device profile.
 
-What is measured (each a median of several runs, with the threads the runtime would use):
-- sustained memory bandwidth: one row through XNNPACK int4 linears of 288 MiB in all (past the
-  caches: one linear of 32 MiB is not, where the last level holds hundreds), as a decode step
-  streams its weights (the runtime's own kernel: a plain array sum reads slower than XNNPACK's
-  GEMV); the best run is kept as the profile's peak, the bus's theoretical peak is unknown here;
-- peak matmul throughput per dtype: the runtime's GEMMs — XNNPACK 8da4w (int8 x int4) and fp32
-  linears on 256 rows; fp16 through torch (ExecuTorch's CPU programs have none); the int8 one
-  on a wide and a narrow square linear, solved for its FLOP rate and a time per activation
-  element (a narrow linear's input quantization and output weigh more per FLOP);
-- dispatch cost per operator: ExecuTorch programs of one and of 201 chained XNNPACK linears of
-  64 x 64 on one row, run in this process: (t201 - t1) / 200; and a program call's own cost;
-  the same with multiplies for the nodes that are not matmuls (a fifth to a quarter of that),
-  and the time per element those write (a decoder layer's mix on 64 rows against 8);
-- weights that stay in the cache: half the last-level cache (sysfs) as what a model may take,
-  and the rate eight small int4 linears (1024 x 1024) stream at when called over and over,
-  their fixed costs taken out (XNNPACK and ONNX Runtime, one row and four);
-- the streaming linears on four rows (a verify's), where kernels may take another path;
-- ONNX Runtime apart (`[delegates.cpu.backends.onnx]`): its MatMulNBits as ONNX cpu bundles
-  export it (int8 activations) on one, four and 256 rows (two widths), its cost per node (a
-  decoder layer's mix of nodes between its linears) and per call, and a small MatMulNBits'
-  fixed cost beyond its bytes and its launch;
-- attention as the bundles compute it (XNNPACK and ONNX Runtime): its matmuls' FLOP rate, the
-  time per attention score beyond them (mask, softmax, copies) and the rate K/V stream at;
-- ExecuTorch's portable kernels (what no delegate takes: the cache's slot bookkeeping, masks):
-  time per element they write;
-- edgemtp's own host time per program call and per logit (decoding beside a stand-in program);
-- power: RAPL, where readable, while idle and while the fp32 GEMM runs; elsewhere the profile
-  says it is an estimate and why.
+Each term the simulator prices is measured on its own, as the runtime would run it (its kernels,
+its threads, medians of several runs), so that a prediction rests on this host's numbers and
+not on factors fitted to benchmarks:
+- `xnnpack`: ExecuTorch's XNNPACK kernels: weights streamed past and from the cache, GEMM
+  throughput, the cost per operator, per node and per call, attention, the portable kernels;
+- `onnxruntime`: the same for ONNX Runtime (the profile's `[delegates.cpu.backends.onnx]`);
+- `host`: the cache's size, edgemtp's own time per call, logit and row, power;
+- `measure`: how a call is timed, and the fits from timings to the simulator's terms;
+- `profile`: the measurements as TOML, each with where it came from.
 """
 
 from __future__ import annotations
@@ -80,7 +61,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         say(f"{dtype} GEMM throughput")
         tops[dtype] = matmul_tops(dtype, *((128, 8) if quick else (1024, 256)))
     say("ExecuTorch dispatch (chains of 1 and 201 small XNNPACK linears, and multiplies)")
-    per_op, per_call = executorch_dispatch_us(threads, 50 if quick else 2000)
+    per_op, per_call = executorch_dispatch_us(50 if quick else 2000)
     node_us = executorch_node_us(50 if quick else 2000)
     node_ns = executorch_ns_per_element(quick)
     limit_mb = resident_mb()

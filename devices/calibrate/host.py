@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from edgemtp.devices.calibrate.measure import RESIDENT_LINEARS, RESOLUTION_US, Call, timings
-from edgemtp.devices.calibrate.xnnpack import int4_linear, xnnpack_program
+from edgemtp.devices.calibrate.xnnpack import int4_linear, int4_weight_bytes, xnnpack_program
 
 
 def resident_mb() -> float | None:
@@ -43,7 +43,7 @@ def resident_size(limit_mb: float, quick: bool = False) -> int:
     at most a quarter of `limit_mb` (at most 1024 each: 4.5 MiB in all; 256 when `quick`), so
     that they stay in the cache between calls."""
     n = 256 if quick else 1024
-    while n > 128 and RESIDENT_LINEARS * n * n * (0.5 + 2 / 32) > limit_mb * 2**20 / 4:
+    while n > 128 and RESIDENT_LINEARS * int4_weight_bytes(n, n) > limit_mb * 2**20 / 4:
         n //= 2
     return n
 
@@ -113,8 +113,8 @@ def host_costs(quick: bool = False) -> tuple[float, float, float]:
     32 MiB of int4 weights per call, and numpy's argmax over a Gemma 4 logit row. A step's time
     outside the program less its argmax is the per-call cost; a 512-token prefill's (8 calls of
     64 rows: table gathers, input copies) less 8 such calls, per row beyond each call's first,
-    the per-row cost. (Timed alone, with warm caches, the host side takes about half as long
-    as beside a model.)"""
+    the per-row cost. Beside a program that streams a model's weights, not alone: the host side
+    runs slower with its caches cleared by each call, as between real program calls."""
     from edgemtp.export.static import StaticShapes
     from edgemtp.model.checkpoint import target_config
     from edgemtp.model.gemma4 import TokenTables

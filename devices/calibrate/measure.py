@@ -55,7 +55,8 @@ GEMM_CALLS = 3  # calls of a GEMM per timing
 
 def gemm_rates(make: Callable[[int, int], Call], quick: bool) -> tuple[float, float]:
     """`fit_gemm` of a runtime's int8 linear, from `make(rows, side)` (`GEMM_CALLS` calls of a
-    linear of side x side on `rows` rows) timed on `GEMM_SHAPES`, interleaved."""
+    linear of side x side on `rows` rows) timed on `GEMM_SHAPES`, interleaved: a wide and a
+    narrow shape, since a narrow linear's input quantization and output weigh more per FLOP."""
     shapes = GEMM_QUICK if quick else GEMM_SHAPES
     seconds = interleaved_medians([make(rows, side) for rows, side in shapes], 5 if quick else 15)
     return fit_gemm(shapes, [t / GEMM_CALLS for t in seconds])
@@ -126,7 +127,7 @@ def fit_attention(
     """The attention model `devices.simulator.call_terms` prices, solved for its three rates:
     the two score-bound shapes differ only in FLOPs, which gives the matmuls' rate; the rest of
     the first is its scores' time; what the K/V-bound third takes beyond its scores streams
-    its K/V (fixed call costs are ignored: each shape takes a millisecond or more)."""
+    its K/V (fixed call costs are ignored: the shapes are large enough to dwarf them)."""
     scores = [h * r * (k + r) for h, r, k, _ in shapes]
     flops = [4 * n * d for n, (*_, d) in zip(scores, shapes, strict=True)]
     tops = (flops[1] - flops[0]) / max(seconds[1] - seconds[0], 1e-9) / 1e12

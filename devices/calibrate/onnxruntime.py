@@ -262,8 +262,8 @@ def _linear_us(
 ) -> float:
     """µs a MatMulNBits takes beyond its weight bytes at `bandwidth_gbs` and its launch
     (`per_node` seconds): sessions of `linears` and of one independent 64 x 64 linears on one
-    row, `calls` runs a timing, interleaved; their bytes stream in under a microsecond, the rest
-    is the kernel's own setup."""
+    row, `calls` runs a timing, interleaved: their bytes are a few KiB, the rest is the
+    kernel's own setup."""
     import numpy as np
 
     sessions = [_nbits_linear(64, 64, 1, threads, count) for count in (1, linears)]
@@ -279,14 +279,12 @@ def _linear_us(
 def onnx_kernels(
     threads: int, quick: bool = False, limit_mb: float | None = None
 ) -> dict[str, float]:
-    """ONNX Runtime's MatMulNBits GEMV bandwidth (one row, past the caches; and, given the
-    cache's `limit_mb`, with weights that stay in it, on one and four rows), its throughput on
-    256 rows, its cost per call and per node (chains of `DECODER_NODE_MIX` on one row of 64,
-    1 and 20 times over), and the fixed cost of one MatMulNBits beyond its bytes and its launch
-    (64 independent 64 x 64 linears on one row against one: their bytes stream in under a
-    microsecond, the rest is the kernel's own setup), and what a narrow one on one row takes
-    beyond its bytes at the probe's rate, its launch and that setup, per element it reads or
-    writes (`NARROW_GEMV`: ~9 GB/s where the 8192 x 8192 probe streams 11)."""
+    """ONNX Runtime's MatMulNBits: its bandwidth past the caches on one row and on a verify's
+    (and, given the cache's `limit_mb`, with weights that stay in it), its int8 throughput
+    (`gemm_rates`), the cost per node and per call (`_node_costs`), a MatMulNBits' fixed cost
+    beyond its bytes and its launch (`_linear_us`), and what a narrow one on one row takes
+    beyond its bytes at the probe's rate, its launch and that fixed cost, per element it reads
+    or writes (`NARROW_GEMV`: narrow linears stream slower than the 8192 x 8192 probe)."""
     k = n = 1024 if quick else 8192
     bandwidth = {rows: _stream_gbs(k, n, rows, threads) for rows in (1, VERIFY_PROBE_ROWS)}
 

@@ -25,22 +25,25 @@ from edgemtp.devices.calibrate.xnnpack import NODE_WIDTH
 SOURCE = "measured: edgemtp devices calibrate"
 
 
-def _gemm_note(kernel: str, quick: bool, peak: bool = False) -> str:
+def _gemm_shapes(quick: bool) -> str:
+    """How `gemm_rates` timed: its two shapes and rounds."""
     (rows, wide), (_, narrow) = GEMM_QUICK if quick else GEMM_SHAPES
     rounds = 5 if quick else 15
-    shapes = (
+    return (
         f"{wide} x {wide} and {narrow} x {narrow} on {rows} rows, medians of {rounds} interleaved"
     )
-    if peak:
-        return f"the FLOP rate solved with ns_per_linear_element from {shapes}"
-    return (f"{kernel}: time per activation element (rows x (inputs + outputs)) beside the "
-            f"FLOPs at the int8 peak, solved with it from {shapes}")  # fmt: skip
+
+
+def _peak_note(quick: bool) -> str:
+    return f"the FLOP rate solved with ns_per_linear_element from {_gemm_shapes(quick)}"
 
 
 def _linear_element_line(ns: float, src: str, kernel: str, quick: bool) -> list[str]:
     """The profile's `ns_per_linear_element` line; none (free) where the narrow linear was
     no slower per FLOP than the wide one."""
-    return [f"ns_per_linear_element = {_entry(ns, src, _gemm_note(kernel, quick))}"] if ns else []
+    note = (f"{kernel}: time per activation element (rows x (inputs + outputs)) beside the "
+            f"FLOPs at the int8 peak, solved with it from {_gemm_shapes(quick)}")  # fmt: skip
+    return [f"ns_per_linear_element = {_entry(ns, src, note)}"] if ns else []
 
 
 def _entry(value: float, source: str, note: str) -> str:
@@ -250,7 +253,7 @@ def profile_toml(m: Measurements) -> str:
     ]
     notes = {
         "int8": "XNNPACK 8da4w linears (int8 x int4, as Q4_0 bundles compute): "
-        + _gemm_note("", m.quick, peak=True),
+        + _peak_note(m.quick),
         "fp16": "torch.mm in float16, 256 x 1024 x 1024, median of 3 (ExecuTorch's CPU "
         "programs have no fp16 path)",
         "fp32": "XNNPACK fp32 linear 1024 x 1024 on 256 rows, median of 3 x 3 calls",
@@ -296,6 +299,6 @@ def profile_toml(m: Measurements) -> str:
         "[delegates.cpu.backends.onnx.peak_tops]",
         "int8 = "
         + _entry(m.onnx["int8_tops"], src, "MatMulNBits with int8 activations (accuracy level 4, "
-                 "as ONNX cpu bundles export by default): " + _gemm_note("", m.quick, peak=True)),
+                 "as ONNX cpu bundles export by default): " + _peak_note(m.quick)),
     ]  # fmt: skip
     return "\n".join(lines) + "\n"

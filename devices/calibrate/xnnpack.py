@@ -105,9 +105,9 @@ def memory_bandwidth(
     """(median, best) GB/s the runtime's int4 linears stream weights at: `rows` rows (one: every
     decode step; a few: a verify) through a chain of `linears` XNNPACK 8da4w linears of n x n
     (default 8 x (32 MiB codes + 4 MiB bf16 scales): 288 MiB, past what one core streams from
-    its caches). One such linear alone is not past them on a host with a large last-level
-    cache: on one whose sysfs says 480 MiB, one core read 26 GB/s from 18 MiB, 16.5 from 72 MiB
-    and 14.5-15 from 142-576 MiB."""
+    its caches, where one such linear alone is not on a host with a large last-level cache).
+    The runtime's own kernel, as a decode step streams its weights: a plain array sum reads
+    slower than XNNPACK's GEMV."""
     program = xnnpack_program(int4_chain(n, linears), torch.randn(rows, n))
     weight_bytes = linears * int4_weight_bytes(n, n)
     times = timings(lambda: program.forward((torch.randn(rows, n),)), 9)
@@ -126,8 +126,8 @@ def matmul_tops(dtype: str, n: int = 1024, rows: int = 256) -> float:
 
 
 def int8_gemm(quick: bool = False) -> tuple[float, float]:
-    """`fit_gemm` of XNNPACK's 8da4w linear (int8 activations x int4 weights, as the Q4_0
-    bundles compute): `gemm_rates`."""
+    """`gemm_rates` of XNNPACK's 8da4w linear (int8 activations x int4 weights, as the Q4_0
+    bundles compute)."""
 
     def make(rows: int, side: int) -> Call:
         x = torch.randn(rows, side)
@@ -146,9 +146,9 @@ NODE_WIDTH = 1536  # a row of E2B's hidden size
 
 def executorch_node_us(calls: int = 2000) -> float:
     """µs per XNNPACK node that is not a matmul (a decode step's norms, activations, adds,
-    reshapes: 70 % of its nodes): chains of 1 and 201 multiplies on one row of E2B's hidden
-    size, (t201 - t1) / 200, interleaved: 0.25-0.32 µs here, a fifth to a quarter of a matmul
-    node's `dispatch_us` (XNNPACK runs them on the calling thread, not through its pool)."""
+    reshapes: most of its nodes): chains of 1 and 201 multiplies on one row of E2B's hidden
+    size, (t201 - t1) / 200, interleaved. Cheaper than a matmul node's `dispatch_us`: XNNPACK
+    runs them on the calling thread, not through its pool."""
     x = torch.zeros(1, NODE_WIDTH)
     programs = [xnnpack_program(Repeat(Scale(NODE_WIDTH), n), x) for n in (1, 201)]
     t1, t201 = interleaved_medians([forward_calls(p, (x,), calls) for p in programs], 5)
@@ -201,11 +201,11 @@ def resident_bandwidth(n: int, rows: int, fixed_us: float, calls: int = 20) -> f
     return stream_rate(weight_bytes, seconds, fixed_us * 1e-6)
 
 
-def executorch_dispatch_us(threads: int, calls: int = 2000) -> tuple[float, float]:
+def executorch_dispatch_us(calls: int = 2000) -> tuple[float, float]:
     """(µs per XNNPACK operator, µs per program call) from chains of 1 and 201 linears of
     64 x 64 on one row: 8 k multiply-adds each, so what is left is an operator's fixed cost
-    (setup, thread-pool dispatch). A chain of tiny adds would say 0.1 µs: XNNPACK runs those
-    on one thread, where a model's GEMMs go through the thread pool."""
+    (setup, thread-pool dispatch). Linears, not tiny adds: XNNPACK runs those on the calling
+    thread, where a model's GEMMs go through the thread pool."""
     x = torch.zeros(1, 64)
     per_call = {n: call_seconds(xnnpack_program(linear_chain(n), x), x, calls) for n in (1, 201)}
     return (per_call[201] - per_call[1]) / 200 * 1e6, per_call[1] * 1e6
