@@ -18,12 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from edgemtp.devices.calibrate.host import (
-    host_costs,
-    measured_power,
-    resident_mb,
-    resident_size,
-)
+from edgemtp.devices.calibrate.host import host_costs, measured_power, resident_mb, resident_size
 from edgemtp.devices.calibrate.measure import RESIDENT_LINEARS, VERIFY_PROBE_ROWS
 from edgemtp.devices.calibrate.onnxruntime import onnx_attention, onnx_kernels, onnx_ns_per_element
 from edgemtp.devices.calibrate.profile import Measurements, profile_toml

@@ -58,6 +58,7 @@ def call_seconds(program: Any, x: torch.Tensor, calls: int, repeat: int = 5) -> 
 
 
 def int4_linear(n_in: int, n_out: int) -> torch.nn.Module:
+    """An int4 linear as export writes one (lowered to XNNPACK's 8da4w), random weights."""
     from edgemtp.export.executorch import Int4Linear
 
     codes = torch.randint(-8, 8, (n_out, n_in), dtype=torch.int8)
