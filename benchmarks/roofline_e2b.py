@@ -66,7 +66,7 @@ def read_bandwidth_gbs(threads: int, passes: int = 7) -> float:
     1 GiB): torch's sum, one read of every byte per pass, median of `passes` after one warm-up."""
     import torch
 
-    from edgemtp.devices.calibrate import resident_mb
+    from edgemtp.devices.calibrate.host import resident_mb
 
     torch.set_num_threads(threads)
     llc_mb = 2 * (resident_mb() or 16)

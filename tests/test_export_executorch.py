@@ -25,7 +25,7 @@ import pytest
 import torch
 from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 
-from edgemtp.devices.calibrate import linear_chain
+from edgemtp.devices.calibrate.xnnpack import linear_chain
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.driver import ExecuTorchRunner
 from edgemtp.export.executorch import (

@@ -14,12 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgemtp.cli import main
-from edgemtp.devices.calibrate import (
+from edgemtp.devices.calibrate.host import resident_size
+from edgemtp.devices.calibrate.measure import (
     ATTENTION_SHAPES,
     RESIDENT_LINEARS,
     fit_attention,
     fit_gemm,
-    resident_size,
 )
 from edgemtp.devices.profiles import DelegateProfile, load_profile
 from edgemtp.devices.simulator import (
