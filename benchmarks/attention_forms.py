@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from runtime_backends import machine
+from harness import machine
 from torch import Tensor, nn
 
 from edgemtp.export.exportable import segment_attention

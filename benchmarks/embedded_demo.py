@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from runtime_backends import machine
+from harness import machine
 
 from edgemtp.runtime.demo import ASSISTANT, TARGET, DemoSettings, run_demo
 

@@ -46,7 +46,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -59,11 +58,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from harness import EDGEMTP, GIB, REPO, RESULTS, folder_bytes, log, machine, meminfo
+
 ET_PREFIX = "model.language_model."
-GIB = 2**30
 
 # Runs ExecuTorch's exporter unchanged, except where its config comes from (the wheel lacks the
 # JSON files its `from_config` opens). argv: CONFIG_JSON, then the exporter's own arguments.
@@ -100,48 +97,23 @@ ET_KEYS = (
 )
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 # --- machine ------------------------------------------------------------------------------------
 
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, value = line.split(":", 1)
-        out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def machine() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import torch
-
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem = meminfo()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem["MemTotal"] / GIB, 1),
-        "available_gib_at_start": round(mem["MemAvailable"] / GIB, 1),
-        "swap_gib": round(mem.get("SwapTotal", 0) / GIB, 1),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "executorch": version("executorch"),
-        "note": "shared 2-core / 24 GiB machine (other agents' work runs beside it)",
-    }
+# What export results have always recorded of the host: swap too (the memory guard's concern),
+# no load average or ONNX Runtime.
+HOST_FIELDS = (
+    "cpu",
+    "cores",
+    "memory_gib",
+    "available_gib_at_start",
+    "swap_gib",
+    "os",
+    "python",
+    "torch",
+    "executorch",
+    "note",
+)
+HOST_NOTE = "shared 2-core / 24 GiB machine (other agents' work runs beside it)"
 
 
 # --- checkpoints --------------------------------------------------------------------------------
@@ -163,10 +135,6 @@ def ensure_checkpoints(work: Path, scale: float) -> tuple[Path, Path]:
         cmd = [*EDGEMTP, "synth", "--preset", preset, "--scale", str(scale), "--out", str(path)]
         subprocess.run([*cmd, "--force"], check=True, stdout=subprocess.DEVNULL)
     return target, drafter
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 # --- the checkpoint as ExecuTorch's exporter reads it ------------------------------------------
@@ -359,7 +327,7 @@ def measure(
             stdout=logf,
             stderr=subprocess.STDOUT,
             env=env,
-            cwd=ROOT,
+            cwd=REPO,
             start_new_session=True,
             preexec_fn=_oom_first,
         )
@@ -547,7 +515,7 @@ def ours_available(backend: str) -> str | None:
         capture_output=True,
         text=True,
         env=child_env(1),
-        cwd=ROOT,
+        cwd=REPO,
         check=False,
     )
     if r.returncode == 0:
@@ -917,7 +885,7 @@ def main() -> None:
         "max_context": args.max_context,
         "threads": args.threads,
         "mem_limit_gib": args.mem_limit / GIB,
-        "machine": machine(),
+        "machine": machine(fields=HOST_FIELDS, note=HOST_NOTE),
         "checkpoint": {
             "target": f"synth --preset e2b --scale {args.scale:g} (bf16)",
             "drafter": f"synth --preset e2b-assistant --scale {args.scale:g} (bf16)",

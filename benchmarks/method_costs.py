@@ -36,7 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from runtime_backends import machine
+from harness import machine
 
 POSITION = 100  # where decode calls write: past a prompt, inside the context
 

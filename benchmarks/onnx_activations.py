@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from runtime_backends import machine
+from harness import machine
 
 from edgemtp.cli import main as edgemtp
 from edgemtp.runtime.demo import ASSISTANT, TARGET, load_prompts

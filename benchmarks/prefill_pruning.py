@@ -14,35 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from harness import machine
 
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.cost import prefill_flops
 from edgemtp.runtime.generate import generate, prefill
 from edgemtp.runtime.kv_cache import KVCache
-
-
-def machine() -> dict[str, str | int]:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu": model,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def timed_prefill(target, ids: torch.Tensor, chunk: int, prune: bool) -> float:
@@ -131,7 +114,7 @@ def main() -> None:
     }
     report = {
         "command": " ".join(sys.argv),
-        "machine": machine(),
+        "machine": machine(torch.get_num_threads(), ("cpu", "threads", "torch", "python")),
         "model": str(args.model),
         "shape": shape,
         "chunk": args.chunk,

@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
-GIB = 2**30
+from harness import GIB, RESULTS, machine
 
 
 def smaps_by_file(names: tuple[str, ...]) -> dict[str, float]:
@@ -92,24 +90,12 @@ def child(bundle: Path, weight_cache: bool, prompt_len: int, tokens: int, thread
     }
 
 
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    from importlib.metadata import version
-
-    import executorch  # noqa: F401
-    import torch
-
+def machine_line() -> str:
+    """The host in one line of the report (this result's JSON records no machine)."""
+    m = machine(fields=("cpu", "cores", "memory_gib", "os", "torch", "executorch"))
     return (
-        f"{cpu}, {len(__import__('os').sched_getaffinity(0))} cores, {mem:.1f} GiB RAM; "
-        f"Linux {platform.release()}; torch {torch.__version__}, executorch {version('executorch')}"
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']:.1f} GiB RAM; {m['os']}; "
+        f"torch {m['torch']}, executorch {m['executorch']}"
     )
 
 
@@ -118,7 +104,7 @@ def report(runs: list[dict], command: str) -> str:
     lines = [
         "# Full-size E2B Q4_0 session memory (ExecuTorch, XNNPACK, cpu delegate)",
         "",
-        f"Run {datetime.date.today()} on {machine()}.",
+        f"Run {datetime.date.today()} on {machine_line()}.",
         f"Bundle: {bundle:.2f} GiB (model.pte {runs[0]['file_gib']['model.pte']:.2f} GiB, "
         f"tables.safetensors {runs[0]['file_gib']['tables.safetensors']:.2f} GiB: token "
         "table q4_0 + PLE table int8). "

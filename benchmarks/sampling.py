@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from runtime_backends import machine
+from harness import machine
 
 from edgemtp.runtime.sampling import SamplingParams, make_generator, probabilities, sample
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from runtime_backends import machine
+from harness import machine
 
 from edgemtp.runtime.demo import ASSISTANT, PROMPTS, TARGET, DemoSettings, ensure_bundle
 from edgemtp.runtime.probes import current_rss_mb

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from attention_forms import busy
-from runtime_backends import machine
+from harness import machine
 
 RESULTS = Path(__file__).with_name("results")
 JOBS = 200

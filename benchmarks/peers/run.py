@@ -43,22 +43,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+# `python benchmarks/peers/run.py` puts only peers/ on sys.path; the shared harness and
+# runtime_backends (and export_e2b, imported later) live one folder up.
 BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))
 
-from runtime_backends import HOST_PHASES, machine  # noqa: E402
+from harness import RESULTS, log, machine  # noqa: E402
+from runtime_backends import HOST_PHASES  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-RESULTS = BENCHMARKS / "results"
 PROMPTS = (512, 2048)
 DEPTHS = (16, 512, 1800)
 DEPTH_TOKENS = 32
 TG = 128
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run(cmd: list[str], stream: bool = False) -> str:
