@@ -55,10 +55,24 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from harness import EDGEMTP, GIB, REPO, RESULTS, folder_bytes, log, machine, meminfo
+from harness import (
+    EDGEMTP,
+    GIB,
+    REPO,
+    RESULTS,
+    folder_bytes,
+    log,
+    machine,
+    meminfo,
+    pyplot,
+    save_figure,
+    write_report,
+    write_results,
+)
 
 ET_PREFIX = "model.language_model."
 
@@ -618,7 +632,7 @@ def fmt_row(r: dict) -> list[str]:
     ]
 
 
-def write_markdown(report: dict, path: Path) -> None:
+def markdown(report: dict) -> str:
     head = [
         "exporter",
         "status",
@@ -714,7 +728,7 @@ def write_markdown(report: dict, path: Path) -> None:
             lines += [f"## Not completed: {r['exporter']}", "", r["status"], ""]
         if r.get("error_tail"):
             lines += ["Last lines of its log:", "", "```", *r["error_tail"], "```", ""]
-    path.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 def short_status(status: str) -> str:
@@ -724,11 +738,7 @@ def short_status(status: str) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = list(report["results"].values())
     labels = [
         "ExecuTorch example\n(target only)"
@@ -791,9 +801,7 @@ def plot(report: dict, path: Path) -> None:
         f"{report['machine']['cores']} cores / {report['machine']['memory_gib']} GiB",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -836,13 +844,10 @@ def main() -> None:
     )
     tag = "" if args.scale == 1.0 else f"-s{args.scale:g}"
     stem = args.out or RESULTS / ("export_e2b" + tag.replace("-", "_"))
-    json_path, md_path, png_path = (
-        stem.parent / (stem.name + ext) for ext in (".json", ".md", ".png")
-    )
+    json_path, md_path, png_path = (Path(f"{stem}{ext}") for ext in (".json", ".md", ".png"))
     if args.replot:
         report = json.loads(json_path.read_text())
-        write_markdown(report, md_path)
-        plot(report, png_path)
+        write_report(stem, markdown(report), partial(plot, report))
         log(f"rewrote {md_path} and {png_path}")
         return
     log(
@@ -894,11 +899,9 @@ def main() -> None:
         },
         "results": results,
     }
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=1))
-    write_markdown(report, md_path)
-    plot(report, png_path)
-    print(md_path.read_text())
+    text = markdown(report)
+    write_results(stem, report, text, partial(plot, report))
+    print(text)
     log(f"wrote {json_path}, {md_path.name} and {png_path.name}")
 
 

@@ -1,12 +1,13 @@
-"""What the benchmark scripts share: the host's description, progress lines, paths.
+"""What the benchmark scripts share: the host's description, progress lines, result files, plots.
 
 The scripts run as `python benchmarks/SCRIPT.py`, which puts this folder on `sys.path`, so they
 import this module as `from harness import ...` (`peers/run.py` adds this folder itself). Nothing
-here imports torch until a function needs it: some scripts only drive subprocesses.
+here imports torch or matplotlib until a function needs it: some scripts only drive subprocesses.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -102,3 +103,50 @@ def machine(
 
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# --- results ------------------------------------------------------------------------------------
+
+
+def write_json(path: Path, data: Any, indent: int = 1) -> None:
+    path.write_text(json.dumps(data, indent=indent) + "\n")
+
+
+def write_report(stem: Path, report: str, plot: Callable[[Path], None] | None = None) -> None:
+    """STEM.md and, given `plot` (called with the PNG's path), STEM.png. Suffixes are appended,
+    never substituted: a stem may hold a dot (`export_e2b_s0.1`)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.md").write_text(report)
+    if plot is not None:
+        plot(Path(f"{stem}.png"))
+
+
+def write_results(
+    stem: Path, result: Any, report: str, plot: Callable[[Path], None] | None = None
+) -> None:
+    """STEM.json (the result, indented by one), then STEM.md and STEM.png as `write_report`."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    write_json(Path(f"{stem}.json"), result)
+    write_report(stem, report, plot)
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend: the scripts write PNG files and open no window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path | str, dpi: int = 110) -> None:
+    """Lay the figure out, write it and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

@@ -36,7 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from harness import machine
+from harness import machine, write_results
 
 POSITION = 100  # where decode calls write: past a prompt, inside the context
 
@@ -260,9 +260,7 @@ def finish(result: dict, out: Path | None) -> None:
     text = report(result)
     print(text)
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        out.with_suffix(".md").write_text(text)
+        write_results(out.with_suffix(""), result, text)  # OUT's own suffix gives way, as ever
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import EDGEMTP, machine
+from harness import EDGEMTP, machine, write_json
 
 
 def run(cmd: list[str]) -> float:
@@ -78,7 +78,7 @@ def main() -> None:
         "peak_rss_mb": peak_mb,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    write_json(args.out.with_suffix(".json"), report)
     print(json.dumps(report, indent=1))
     if not args.keep:
         shutil.rmtree(quant_dir)

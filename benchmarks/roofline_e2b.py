@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from harness import EDGEMTP, RESULTS, log, machine
+from harness import EDGEMTP, RESULTS, log, machine, pyplot, save_figure, write_results
 
 GOAL = 0.70  # issue 7: AR decode at >= 70 % of the memory-bandwidth roofline
 
@@ -207,11 +207,7 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs, total = doc["runs"], doc["bytes_per_token"]["total"]
     x = range(1, len(runs) + 1)
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -225,9 +221,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("tok/s")
     ax.set_title(f"Full-size E2B Q4_0, {doc['threads']} threads: decode vs roofline")
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:
@@ -256,11 +250,9 @@ def main() -> None:
         **result,
     }
     doc["summary"] = summary(doc)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "roofline_e2b.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "roofline_e2b.md").write_text(report(doc))
-    plot(doc, args.out / "roofline_e2b.png")
-    print(report(doc))
+    text = report(doc)
+    write_results(args.out / "roofline_e2b", doc, text, partial(plot, doc))
+    print(text)
 
 
 if __name__ == "__main__":

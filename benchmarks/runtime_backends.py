@@ -58,10 +58,22 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from harness import EDGEMTP, REPO, RESULTS, folder_bytes, log, machine
+from harness import (
+    EDGEMTP,
+    REPO,
+    RESULTS,
+    folder_bytes,
+    log,
+    machine,
+    pyplot,
+    save_figure,
+    write_report,
+    write_results,
+)
 
 BACKENDS = ("reference", "executorch", "onnx")
 PHASES = ("embed", "target", "drafter", "sampling", "host")
@@ -528,11 +540,7 @@ def notes(summary: dict[str, Any], logits: dict[str, Any]) -> list[str]:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     summary = data["summary"]
     names = list(summary)
     colors = {"reference": "tab:gray", "executorch": "tab:blue", "onnx": "tab:orange"}
@@ -608,8 +616,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
         f"tg{data['args']['tokens']}, {data['machine']['cpu']}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -641,8 +648,7 @@ def main() -> int:
     stem = "runtime_backends" if args.scale == 0.25 else f"runtime_backends_s{args.scale:g}"
     if args.report_only:
         data = json.loads((RESULTS / f"{stem}.json").read_text())
-        (RESULTS / f"{stem}.md").write_text(report(data))
-        plot(data, RESULTS / f"{stem}.png")
+        write_report(RESULTS / stem, report(data), partial(plot, data))
         return 0
     t_start = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -684,11 +690,9 @@ def main() -> int:
         "runs": runs,
     }
     data["notes"] = notes(summary, data["prefill_logits_vs_reference"])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (RESULTS / f"{stem}.md").write_text(report(data))
-    plot(data, RESULTS / f"{stem}.png")
-    print((RESULTS / f"{stem}.md").read_text())
+    text = report(data)
+    write_results(RESULTS / stem, data, text, partial(plot, data))
+    print(text)
     return 0
 
 

@@ -26,9 +26,10 @@ import json
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-from harness import GIB, RESULTS, machine
+from harness import GIB, RESULTS, machine, pyplot, save_figure, write_results
 
 
 def smaps_by_file(names: tuple[str, ...]) -> dict[str, float]:
@@ -139,11 +140,7 @@ def report(runs: list[dict], command: str) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     labels = ["weight cache on\n(edgemtp)", "weight cache off\n(ExecuTorch default)"]
     labels = [labels[0] if r["weight_cache"] else labels[1] for r in runs]
@@ -161,8 +158,7 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_xlabel("resident GiB after generating")
     ax.set_title("Full-size E2B Q4_0 session, ExecuTorch XNNPACK")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> int:
@@ -188,11 +184,9 @@ def main() -> int:
         print(json.dumps(runs[-1]["after_generate"]), file=sys.stderr)
     command = f"python benchmarks/runtime_e2b.py --bundle {args.bundle} --prompt {args.prompt} "
     command += f"--tokens {args.tokens} --threads {args.threads}"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "runtime_e2b.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    (RESULTS / "runtime_e2b.md").write_text(report(runs, command))
-    plot(runs, RESULTS / "runtime_e2b.png")
-    print((RESULTS / "runtime_e2b.md").read_text())
+    text = report(runs, command)
+    write_results(RESULTS / "runtime_e2b", {"runs": runs}, text, partial(plot, runs))
+    print(text)
     return 0
 
 

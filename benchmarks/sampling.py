@@ -20,21 +20,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from harness import machine
+from harness import RESULTS, machine, pyplot, save_figure, write_results
 
 from edgemtp.runtime.sampling import SamplingParams, make_generator, probabilities, sample
 
-RESULTS = Path(__file__).parent / "results"
 VOCABS = (8192, 262144)
 SHAPES = {"peaked": 8.0, "spread": 2.0}
 SETTINGS = {
@@ -145,11 +144,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["rows"]
     labels = [f"{r['vocab']}\n{r['logits']}\n{r['setting']}" for r in rows]
     x = range(len(rows))
@@ -167,8 +162,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_title("Choosing one sampled token from one logit row")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -186,11 +180,9 @@ def main() -> None:
         "calls": args.calls,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sampling.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "sampling.md").write_text(report(result))
-    plot(result, args.out / "sampling.png")
-    print(report(result))
+    text = report(result)
+    write_results(args.out / "sampling", result, text, partial(plot, result))
+    print(text)
 
 
 if __name__ == "__main__":
