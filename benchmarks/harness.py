@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the host's description, progress lines, result files, plots.
+"""What the benchmark scripts share: the host's description, result files, plots, call timing.
 
 The scripts run as `python benchmarks/SCRIPT.py`, which puts this folder on `sys.path`, so they
 import this module as `from harness import ...` (`peers/run.py` adds this folder itself). Nothing
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -105,7 +106,26 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+# --- timing -------------------------------------------------------------------------------------
+
+
+def ms_per_call(call: Callable[[], object], calls: int, warmup: int = 0) -> float:
+    """Mean wall-clock ms of one call over `calls` calls back to back, after `warmup` untimed
+    ones (first calls pay for page faults and lazy setup)."""
+    for _ in range(warmup):
+        call()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
 # --- results ------------------------------------------------------------------------------------
+
+
+def command_line(script: str) -> str:
+    """This run as a line to paste: `python benchmarks/SCRIPT ARGS`, quoted for the shell."""
+    return "python " + shlex.join([f"benchmarks/{script}", *sys.argv[1:]])
 
 
 def write_json(path: Path, data: Any, indent: int = 1) -> None:

@@ -14,7 +14,6 @@ OUT/onnx_activations.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 from functools import partial
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import RESULTS, machine, pyplot, save_figure, write_results
+from harness import RESULTS, command_line, machine, pyplot, save_figure, write_results
 
 from edgemtp.cli import main as edgemtp
 from edgemtp.runtime.demo import ASSISTANT, TARGET, load_prompts
@@ -145,7 +144,7 @@ def main() -> None:
     bundles = export(args.work)
     runs = measure(bundles, args.repeat, args.tokens)
     result = {
-        "command": "python " + shlex.join(["benchmarks/onnx_activations.py", *sys.argv[1:]]),
+        "command": command_line("onnx_activations.py"),
         "machine": machine(1),
         "repeat": args.repeat,
         "tokens": args.tokens,

@@ -20,17 +20,22 @@ from __future__ import annotations
 
 import argparse
 import functools
-import shlex
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from harness import RESULTS, machine, pyplot, save_figure, write_results
+from harness import (
+    RESULTS,
+    command_line,
+    machine,
+    ms_per_call,
+    pyplot,
+    save_figure,
+    write_results,
+)
 
 from edgemtp.runtime.sampling import SamplingParams, make_generator, probabilities, sample
 
@@ -76,13 +81,6 @@ def transformers_choose(
     return torch.multinomial(probs, 1, generator=generator)
 
 
-def median_ms(choose: Callable[[torch.Tensor], Any], logits: torch.Tensor, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        choose(logits)
-    return (time.perf_counter() - start) / calls * 1e3
-
-
 def run(repeat: int, calls: int) -> list[dict[str, Any]]:
     rows = []
     for vocab in VOCABS:
@@ -101,8 +99,8 @@ def run(repeat: int, calls: int) -> list[dict[str, Any]]:
                 times: dict[str, list[float]] = {"edgemtp": [], "transformers": []}
                 ours(logits), theirs(logits)
                 for _ in range(repeat):
-                    times["edgemtp"].append(median_ms(ours, logits, calls))
-                    times["transformers"].append(median_ms(theirs, logits, calls))
+                    times["edgemtp"].append(ms_per_call(partial(ours, logits), calls))
+                    times["transformers"].append(ms_per_call(partial(theirs, logits), calls))
                 row = {
                     "vocab": vocab,
                     "logits": shape,
@@ -174,7 +172,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = run(args.repeat, args.calls)
     result = {
-        "command": "python " + shlex.join(["benchmarks/sampling.py", *sys.argv[1:]]),
+        "command": command_line("sampling.py"),
         "machine": machine(torch.get_num_threads()),
         "repeat": args.repeat,
         "calls": args.calls,

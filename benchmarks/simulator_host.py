@@ -31,7 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from harness import EDGEMTP, REPO, RESULTS, pyplot, save_figure, write_results
+from harness import EDGEMTP, REPO, RESULTS, command_line, pyplot, save_figure, write_results
 
 MODELS = REPO / "models"
 WITHIN = 0.25
@@ -229,7 +229,7 @@ def main() -> None:
         docs = measure(args.work, args.threads, args.repeat, log)
     machine = docs[0]["machine"]
     result = {
-        "command": "python " + shlex.join(["benchmarks/simulator_host.py", *sys.argv[1:]]),
+        "command": command_line("simulator_host.py"),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{machine['cpu']}, {machine['cores']} cores",
         "threads": args.threads,

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import shlex
 import sys
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS, pyplot, save_figure, write_results
+from harness import RESULTS, command_line, pyplot, save_figure, write_results
 
 from edgemtp.devices.profiles import list_profiles, load_profile
 from edgemtp.devices.simulator import (
@@ -412,7 +411,7 @@ def main() -> None:
     args = parser.parse_args()
     rows, skipped = run()
     result = {
-        "command": "python " + shlex.join(["benchmarks/simulator_published.py", *sys.argv[1:]]),
+        "command": command_line("simulator_published.py"),
         "date": datetime.date.today().isoformat(),
         "assumptions": assumptions(),
         "rows": rows,

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from attention_forms import busy
-from harness import RESULTS, machine, write_json, write_report
+from harness import RESULTS, command_line, machine, write_json, write_report
 
 JOBS = 200
 
@@ -72,7 +70,7 @@ def main() -> None:
             {"gap_us": gap, "median_us": statistics.median(w), "p90_us": w[len(w) * 9 // 10]}
         )
         print(f"idle {gap:5d} µs -> hand-off {rows[-1]['median_us']:6.1f} µs", flush=True)
-    command = " ".join(["python", "benchmarks/threadpool_wake.py", *map(shlex.quote, sys.argv[1:])])
+    command = command_line("threadpool_wake.py")
     result = {"command": command, "machine": machine(args.threads), "rows": rows}
     lines = [
         f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}; {result['machine']['cpu']}, "
