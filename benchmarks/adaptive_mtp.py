@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
+from harness import RESULTS, pyplot, save_figure, write_results
 
 from edgemtp.runtime.adaptive import AdaptiveDepth
 from edgemtp.runtime.session import Session
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def open_session(args: argparse.Namespace) -> Session:
@@ -115,32 +114,26 @@ def main() -> int:
             f"| {s['acceptance_rate']:.3f} | {used} | {s['same_tokens_as_ar']} |"
         )
     lines += ["", "## Command", "", f"```bash\n{command}\n```", ""]
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"adaptive_mtp{suffix}"  # (names may hold dots: no with_suffix)
-    Path(f"{out}.json").write_text(
-        json.dumps({"source": source, "summary": summary, "runs": runs}, indent=1) + "\n"
-    )
-    Path(f"{out}.md").write_text("\n".join(lines))
+    text = "\n".join(lines)
+    result = {"source": source, "summary": summary, "runs": runs}
+    write_results(RESULTS / f"adaptive_mtp{suffix}", result, text, partial(plot, summary, source))
+    print(text)
+    return 0
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(summary: dict, source: str, path: Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     names = list(summary)
     ax.bar(names, [summary[n]["median_tok_s"] for n in names], color="tab:blue")
     for i, n in enumerate(names):
         ax.plot([i] * len(summary[n]["runs_tok_s"]), summary[n]["runs_tok_s"], "k.", ms=3)
-    ax.axhline(ar, color="k", ls="--", lw=1, label="AR median")
+    ax.axhline(summary["0"]["median_tok_s"], color="k", ls="--", lw=1, label="AR median")
     ax.set_xlabel("--mtp")
     ax.set_ylabel("decode tok/s")
     ax.set_title(f"adaptive vs pinned depth ({Path(source).name})", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{out}.png", dpi=120)
-    print("\n".join(lines))
-    return 0
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -31,23 +31,22 @@ Every form's output is checked against the eager one. Writes OUT/attention_forms
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from runtime_backends import machine
+from harness import RESULTS, machine, pyplot, save_figure, write_results
 from torch import Tensor, nn
 
 from edgemtp.export.exportable import segment_attention
 from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
 
-RESULTS = Path(__file__).parent / "results"
 CALLS = 200  # per timing round
 
 
@@ -196,28 +195,23 @@ def main() -> int:
             + f" | {rate:.1f} |"
         )
     lines.append("")
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / "attention_forms"
+    text = "\n".join(lines)
     payload = {"command": command, "machine": machine(args.threads), "rows": rows}
-    Path(f"{out}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    Path(f"{out}.md").write_text("\n".join(lines))
+    write_results(args.out / "attention_forms", payload, text, partial(plot, rows, args))
+    print(text)
+    return 0
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    for form in forms:
+    for form in rows[0]["us"]:
         ax.plot([r["slots"] for r in rows], [r["us"][form] for r in rows], "o-", label=form)
     ax.set_xlabel("cache slots attended")
     ax.set_ylabel("µs per decode row")
     ax.set_title(f"decode attention, {args.heads} heads x {args.head_dim}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{out}.png", dpi=120)
-    print("\n".join(lines))
-    return 0
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -16,23 +16,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
+from functools import partial
 from pathlib import Path
 
-from runtime_backends import machine
+from harness import RESULTS, machine, pyplot, save_figure, write_results
 
 from edgemtp.runtime.demo import ASSISTANT, TARGET, DemoSettings, run_demo
 
-RESULTS = Path(__file__).parent / "results"
-
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = result["runs"]
     fig, (speed, split) = plt.subplots(1, 2, figsize=(11, 4))
     depths = [r["depth"] for r in runs]
@@ -56,8 +50,7 @@ def plot(result: dict, path: Path) -> None:
     split.set_ylabel("decode ms per committed token")
     split.set_title("where decode time goes")
     split.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def report(result: dict) -> str:
@@ -113,11 +106,8 @@ def main() -> None:
         "machine": machine(1),
         "runs": runs,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = report(result)
-    (RESULTS / f"{args.out}.md").write_text(text)
-    plot(result, RESULTS / f"{args.out}.png")
+    write_results(RESULTS / args.out, result, text, partial(plot, result))
     print(text)
 
 

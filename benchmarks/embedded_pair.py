@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
+from harness import REPO, RESULTS, pyplot, save_figure, write_results
 
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 from edgemtp.runtime.session import Session
 from edgemtp.train.data import held_out_prompts, write_splits
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
 GOALS = {2: 2.0, 3: 2.4}
 
 
@@ -74,8 +73,8 @@ def measure(session: Session, prompts: list[list[int]], depths: list[int], token
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=Path, default=ROOT / "models" / "embedded-target")
-    parser.add_argument("--assistant", type=Path, default=ROOT / "models" / "embedded-assistant")
+    parser.add_argument("--target", type=Path, default=REPO / "models" / "embedded-target")
+    parser.add_argument("--assistant", type=Path, default=REPO / "models" / "embedded-assistant")
     parser.add_argument("--bundle", type=Path, help="the demo bundle (printed by `edgemtp demo`)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
@@ -150,17 +149,15 @@ def main() -> int:
                 f"{'met' if value >= goal else 'MISSED'}"
             )
     lines += ["", "## Command", "", f"```bash\n{command}\n```", ""]
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "embedded_pair"
+    text = "\n".join(lines)
     record = {"prompts": texts, "tokens": args.tokens, "pairs": pairs, "goals_met": met}
-    Path(f"{out}.json").write_text(json.dumps(record, indent=1) + "\n")
-    Path(f"{out}.md").write_text("\n".join(lines))
+    write_results(RESULTS / "embedded_pair", record, text, partial(plot, pairs))
+    print(text)
+    return 0 if met else 1
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(pairs: dict[str, dict], path: Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     for name, per in pairs.items():
         ds = sorted(int(d) for d in per)
@@ -171,10 +168,7 @@ def main() -> int:
     ax.set_ylabel("committed tokens / target forward")
     ax.set_title("embedded pair, held-out prompts, greedy (bars: goals)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{out}.png", dpi=120)
-    print("\n".join(lines))
-    return 0 if met else 1
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -56,14 +55,26 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from harness import (
+    EDGEMTP,
+    GIB,
+    REPO,
+    RESULTS,
+    folder_bytes,
+    log,
+    machine,
+    meminfo,
+    pyplot,
+    save_figure,
+    write_report,
+    write_results,
+)
+
 ET_PREFIX = "model.language_model."
-GIB = 2**30
 
 # Runs ExecuTorch's exporter unchanged, except where its config comes from (the wheel lacks the
 # JSON files its `from_config` opens). argv: CONFIG_JSON, then the exporter's own arguments.
@@ -100,48 +111,23 @@ ET_KEYS = (
 )
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 # --- machine ------------------------------------------------------------------------------------
 
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, value = line.split(":", 1)
-        out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def machine() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import torch
-
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem = meminfo()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem["MemTotal"] / GIB, 1),
-        "available_gib_at_start": round(mem["MemAvailable"] / GIB, 1),
-        "swap_gib": round(mem.get("SwapTotal", 0) / GIB, 1),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "executorch": version("executorch"),
-        "note": "shared 2-core / 24 GiB machine (other agents' work runs beside it)",
-    }
+# What export results have always recorded of the host: swap too (the memory guard's concern),
+# no load average or ONNX Runtime.
+HOST_FIELDS = (
+    "cpu",
+    "cores",
+    "memory_gib",
+    "available_gib_at_start",
+    "swap_gib",
+    "os",
+    "python",
+    "torch",
+    "executorch",
+    "note",
+)
+HOST_NOTE = "shared 2-core / 24 GiB machine (other agents' work runs beside it)"
 
 
 # --- checkpoints --------------------------------------------------------------------------------
@@ -163,10 +149,6 @@ def ensure_checkpoints(work: Path, scale: float) -> tuple[Path, Path]:
         cmd = [*EDGEMTP, "synth", "--preset", preset, "--scale", str(scale), "--out", str(path)]
         subprocess.run([*cmd, "--force"], check=True, stdout=subprocess.DEVNULL)
     return target, drafter
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 # --- the checkpoint as ExecuTorch's exporter reads it ------------------------------------------
@@ -359,7 +341,7 @@ def measure(
             stdout=logf,
             stderr=subprocess.STDOUT,
             env=env,
-            cwd=ROOT,
+            cwd=REPO,
             start_new_session=True,
             preexec_fn=_oom_first,
         )
@@ -547,7 +529,7 @@ def ours_available(backend: str) -> str | None:
         capture_output=True,
         text=True,
         env=child_env(1),
-        cwd=ROOT,
+        cwd=REPO,
         check=False,
     )
     if r.returncode == 0:
@@ -650,7 +632,7 @@ def fmt_row(r: dict) -> list[str]:
     ]
 
 
-def write_markdown(report: dict, path: Path) -> None:
+def markdown(report: dict) -> str:
     head = [
         "exporter",
         "status",
@@ -746,7 +728,7 @@ def write_markdown(report: dict, path: Path) -> None:
             lines += [f"## Not completed: {r['exporter']}", "", r["status"], ""]
         if r.get("error_tail"):
             lines += ["Last lines of its log:", "", "```", *r["error_tail"], "```", ""]
-    path.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 def short_status(status: str) -> str:
@@ -756,11 +738,7 @@ def short_status(status: str) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = list(report["results"].values())
     labels = [
         "ExecuTorch example\n(target only)"
@@ -823,9 +801,7 @@ def plot(report: dict, path: Path) -> None:
         f"{report['machine']['cores']} cores / {report['machine']['memory_gib']} GiB",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -868,13 +844,10 @@ def main() -> None:
     )
     tag = "" if args.scale == 1.0 else f"-s{args.scale:g}"
     stem = args.out or RESULTS / ("export_e2b" + tag.replace("-", "_"))
-    json_path, md_path, png_path = (
-        stem.parent / (stem.name + ext) for ext in (".json", ".md", ".png")
-    )
+    json_path, md_path, png_path = (Path(f"{stem}{ext}") for ext in (".json", ".md", ".png"))
     if args.replot:
         report = json.loads(json_path.read_text())
-        write_markdown(report, md_path)
-        plot(report, png_path)
+        write_report(stem, markdown(report), partial(plot, report))
         log(f"rewrote {md_path} and {png_path}")
         return
     log(
@@ -917,7 +890,7 @@ def main() -> None:
         "max_context": args.max_context,
         "threads": args.threads,
         "mem_limit_gib": args.mem_limit / GIB,
-        "machine": machine(),
+        "machine": machine(fields=HOST_FIELDS, note=HOST_NOTE),
         "checkpoint": {
             "target": f"synth --preset e2b --scale {args.scale:g} (bf16)",
             "drafter": f"synth --preset e2b-assistant --scale {args.scale:g} (bf16)",
@@ -926,11 +899,9 @@ def main() -> None:
         },
         "results": results,
     }
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=1))
-    write_markdown(report, md_path)
-    plot(report, png_path)
-    print(md_path.read_text())
+    text = markdown(report)
+    write_results(stem, report, text, partial(plot, report))
+    print(text)
     log(f"wrote {json_path}, {md_path.name} and {png_path.name}")
 
 

@@ -30,13 +30,13 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
-from runtime_backends import machine
+from harness import machine, ms_per_call, write_results
 
 POSITION = 100  # where decode calls write: past a prompt, inside the context
 
@@ -72,13 +72,8 @@ def time_methods(
     for r in range(repeat):
         for name, inputs in calls.items():
             for label in list(modules)[:: -1 if r % 2 else 1]:
-                module = modules[label]
-                for _ in range(5):
-                    module.run_method(name, inputs)
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    module.run_method(name, inputs)
-                samples[(label, name)].append((time.perf_counter() - t0) / n * 1e3)
+                call = partial(modules[label].run_method, name, inputs)
+                samples[(label, name)].append(ms_per_call(call, n, warmup=5))
     return {lb: {m: statistics.median(samples[(lb, m)]) for m in calls} for lb in ptes}
 
 
@@ -135,15 +130,10 @@ def time_positions(bundle: Path, threads: int, positions: list[int], repeat: int
         prompt = torch.randint(3, backend.vocab_size, (position,), generator=gen).tolist()
         session.generate(prompt, 1, mtp=0, stop_ids=())
         method, _ = backend.shapes.verify_method(0, position + 1)
-        inputs = backend._padded([prompt[-1]], position, 1)
-        for _ in range(5):
-            backend.runner.call(method, *inputs)
-        samples = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                backend.runner.call(method, *inputs)
-            samples.append((time.perf_counter() - t0) / n * 1e3)
+        call = partial(backend.runner.call, method, *backend._padded([prompt[-1]], position, 1))
+        for _ in range(5):  # warm-up, once per position
+            call()
+        samples = [ms_per_call(call, n) for _ in range(repeat)]
         rows.append((position, method, statistics.median(samples)))
         print(f"position {position}: {method} {rows[-1][2]:.3f} ms", file=sys.stderr)
     return rows
@@ -260,9 +250,7 @@ def finish(result: dict, out: Path | None) -> None:
     text = report(result)
     print(text)
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        out.with_suffix(".md").write_text(text)
+        write_results(out.with_suffix(""), result, text)  # OUT's own suffix gives way, as ever
 
 
 if __name__ == "__main__":

@@ -14,21 +14,19 @@ OUT/onnx_activations.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from runtime_backends import machine
+from harness import RESULTS, command_line, machine, pyplot, save_figure, write_results
 
 from edgemtp.cli import main as edgemtp
 from edgemtp.runtime.demo import ASSISTANT, TARGET, load_prompts
 from edgemtp.runtime.session import Session
 
-RESULTS = Path(__file__).parent / "results"
 KINDS = ("int8", "fp32")
 DEPTHS = (0, 1, 2, 3)
 
@@ -121,11 +119,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.38
@@ -137,8 +131,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("decode tok/s (median)")
     ax.set_title("ONNX cpu bundle of the embedded pair")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -151,7 +144,7 @@ def main() -> None:
     bundles = export(args.work)
     runs = measure(bundles, args.repeat, args.tokens)
     result = {
-        "command": "python " + shlex.join(["benchmarks/onnx_activations.py", *sys.argv[1:]]),
+        "command": command_line("onnx_activations.py"),
         "machine": machine(1),
         "repeat": args.repeat,
         "tokens": args.tokens,
@@ -159,11 +152,9 @@ def main() -> None:
         "rows": summarize(runs),
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "onnx_activations.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "onnx_activations.md").write_text(report(result))
-    plot(result, args.out / "onnx_activations.png")
-    print(report(result))
+    text = report(result)
+    write_results(args.out / "onnx_activations", result, text, partial(plot, result))
+    print(text)
 
 
 if __name__ == "__main__":

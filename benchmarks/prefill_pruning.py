@@ -14,35 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
+from harness import machine, pyplot, save_figure, write_results
 
 from edgemtp.model.checkpoint import load_drafter, load_target
 from edgemtp.model.cost import prefill_flops
 from edgemtp.runtime.generate import generate, prefill
 from edgemtp.runtime.kv_cache import KVCache
-
-
-def machine() -> dict[str, str | int]:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu": model,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def timed_prefill(target, ids: torch.Tensor, chunk: int, prune: bool) -> float:
@@ -67,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot_only:
         report = json.loads(args.out.with_suffix(".json").read_text())
-        plot(report["results"], args.out.with_suffix(".png"), report["shape"])
+        plot(report["results"], report["shape"], args.out.with_suffix(".png"))
         return
     torch.set_num_threads(args.threads)
     target = load_target(args.model)
@@ -131,15 +115,13 @@ def main() -> None:
     }
     report = {
         "command": " ".join(sys.argv),
-        "machine": machine(),
+        "machine": machine(torch.get_num_threads(), ("cpu", "threads", "torch", "python")),
         "model": str(args.model),
         "shape": shape,
         "chunk": args.chunk,
         "repeats": args.repeats,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [
         "| prompt | unpruned tok/s | pruned tok/s | speedup (measured) | work ratio (analytic) "
         "| prefill tok/s no drafter | with drafter | TTFT ms no drafter | with drafter |",
@@ -154,17 +136,13 @@ def main() -> None:
             f"| {r['ttft_s_with_drafter'] * 1e3:.0f} |"
         )
     table = "\n".join(lines)
-    args.out.with_suffix(".md").write_text(table + "\n")
+    # --out's own suffix, if it has one, gives way to .json/.md/.png, as it always has
+    write_results(args.out.with_suffix(""), report, table + "\n", partial(plot, results, shape))
     print(table)
-    plot(results, args.out.with_suffix(".png"), shape)
 
 
-def plot(results: list[dict], path: Path, shape: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: list[dict], shape: dict, path: Path) -> None:
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"pp{r['length']}" for r in results]
     x = range(len(results))
@@ -191,8 +169,7 @@ def plot(results: list[dict], path: Path, shape: dict) -> None:
         f"KV-shared prefill pruning, hidden {shape['hidden']}, {shape['layers']} layers "
         f"({shape['kv_shared_layers']} KV-shared)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

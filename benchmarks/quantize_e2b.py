@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import shutil
 import subprocess
@@ -19,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
+from harness import EDGEMTP, machine, write_json
 
 
 def run(cmd: list[str]) -> float:
@@ -67,10 +66,7 @@ def main() -> None:
     report = {
         "command": " ".join(sys.argv),
         "quantize_command": "edgemtp " + " ".join(cmd[3:]),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(fields=("cpu", "python")),
         "scheme": args.scheme,
         "embeddings": args.embeddings,
         "ple": args.ple,
@@ -82,7 +78,7 @@ def main() -> None:
         "peak_rss_mb": peak_mb,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    write_json(args.out.with_suffix(".json"), report)
     print(json.dumps(report, indent=1))
     if not args.keep:
         shutil.rmtree(quant_dir)

@@ -28,33 +28,27 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from runtime_backends import machine
+from harness import EDGEMTP, RESULTS, log, machine, pyplot, save_figure, write_results
 
-RESULTS = Path(__file__).parent / "results"
-EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
 GOAL = 0.70  # issue 7: AR decode at >= 70 % of the memory-bandwidth roofline
-
-
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def build(work: Path) -> Path:
     checkpoint, bundle = work / "e2b", work / "bundle"
     if not (checkpoint / "config.json").is_file():
-        say("synthesizing the full-size E2B checkpoint (random weights, bf16)")
+        log("synthesizing the full-size E2B checkpoint (random weights, bf16)")
         subprocess.run([*EDGEMTP, "synth", "--preset", "e2b", "--out", str(checkpoint)], check=True)
     if not (bundle / "manifest.json").is_file():
-        say("exporting it (Q4_0, ExecuTorch XNNPACK): about 35 minutes here")
+        log("exporting it (Q4_0, ExecuTorch XNNPACK): about 35 minutes here")
         subprocess.run([*EDGEMTP, "export", "--model", str(checkpoint), "--quant", "q4_0",
                         "--backend", "executorch", "--delegate", "cpu", "--max-context", "1024",
                         "--prefill-chunk", "128", "--out", str(bundle)], check=True)  # fmt: skip
@@ -114,7 +108,7 @@ def measure(bundle: Path, args: argparse.Namespace) -> dict[str, Any]:
     from edgemtp.runtime.session import Session
 
     torch.set_num_threads(args.threads)
-    say(f"loading {bundle} ({args.threads} threads)")
+    log(f"loading {bundle} ({args.threads} threads)")
     start = time.perf_counter()
     session = Session.from_bundle(bundle, threads=args.threads, verify=False)
     load_s = time.perf_counter() - start
@@ -131,7 +125,7 @@ def measure(bundle: Path, args: argparse.Namespace) -> dict[str, Any]:
         phases = {k: 1000 * v / steps for k, v in m["decode_seconds_by_phase"].items()}
         return {"tok_s": m["decode_tok_s"], "ms_per_step": phases}
 
-    say("warm-up decode (not counted)")
+    log("warm-up decode (not counted)")
     decode()
     runs = []
     for r in range(args.repeat):
@@ -140,7 +134,7 @@ def measure(bundle: Path, args: argparse.Namespace) -> dict[str, Any]:
         achieved = run["tok_s"] * per_token["total"] / 1e9
         runs.append({"bandwidth_gbs": bandwidth, **run, "achieved_gbs": achieved,
                      "fraction": achieved / bandwidth})  # fmt: skip
-        say(
+        log(
             f"repeat {r + 1}/{args.repeat}: read bandwidth {bandwidth:.1f} GB/s, decode "
             f"{run['tok_s']:.2f} tok/s = {achieved:.1f} GB/s ({achieved / bandwidth:.0%})"
         )
@@ -213,11 +207,7 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs, total = doc["runs"], doc["bytes_per_token"]["total"]
     x = range(1, len(runs) + 1)
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -231,9 +221,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("tok/s")
     ax.set_title(f"Full-size E2B Q4_0, {doc['threads']} threads: decode vs roofline")
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:
@@ -262,11 +250,9 @@ def main() -> None:
         **result,
     }
     doc["summary"] = summary(doc)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "roofline_e2b.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "roofline_e2b.md").write_text(report(doc))
-    plot(doc, args.out / "roofline_e2b.png")
-    print(report(doc))
+    text = report(doc)
+    write_results(args.out / "roofline_e2b", doc, text, partial(plot, doc))
+    print(text)
 
 
 if __name__ == "__main__":

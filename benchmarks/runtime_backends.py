@@ -53,34 +53,39 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from harness import (
+    EDGEMTP,
+    REPO,
+    RESULTS,
+    folder_bytes,
+    log,
+    machine,
+    pyplot,
+    save_figure,
+    write_report,
+    write_results,
+)
+
 BACKENDS = ("reference", "executorch", "onnx")
 PHASES = ("embed", "target", "drafter", "sampling", "host")
 HOST_PHASES = ("embed", "sampling", "host")
 GOAL = 0.10  # host overhead share of a decode step
 MAX_CONTEXT = 1024
 DRAFT_DEPTH = 3
-GIB = 2**30
 LABELS = {
     "reference": "reference (PyTorch eager, int4 dequantized to fp32)",
     "executorch": "ExecuTorch 1.5.1 XNNPACK (8da4w)",
     "onnx": "ONNX Runtime CPU EP (MatMulNBits)",
 }
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # --- files --------------------------------------------------------------------------------------
@@ -103,10 +108,6 @@ class Paths:
 
     def logits(self, backend: str) -> Path:
         return self.work / f"prefill-logits-{backend}.pt"
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def run_step(name: str, cmd: list[str], done: Path, paths: Paths) -> dict[str, Any]:
@@ -286,49 +287,13 @@ def run_child(backend: str, args: argparse.Namespace) -> dict:
     cmd += ["--threads", str(args.threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{backend} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     run = json.loads(proc.stdout.strip().splitlines()[-1])
     run["process_wall_s"] = wall
     return run
-
-
-# --- machine ------------------------------------------------------------------------------------
-
-
-def machine(threads: int) -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import torch
-
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem = {
-        line.split(":")[0]: int(line.split()[1]) * 1024
-        for line in Path("/proc/meminfo").read_text().splitlines()
-    }
-    return {
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "memory_gib": round(mem["MemTotal"] / GIB, 1),
-        "available_gib_at_start": round(mem["MemAvailable"] / GIB, 1),
-        "loadavg_at_start": os.getloadavg(),
-        "os": f"Linux {platform.release()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "executorch": version("executorch"),
-        "onnxruntime": version("onnxruntime"),
-        "threads": threads,
-        "note": "shared 2-core machine (other agents' work may run beside it)",
-    }
 
 
 # --- summary, report, plot ----------------------------------------------------------------------
@@ -575,11 +540,7 @@ def notes(summary: dict[str, Any], logits: dict[str, Any]) -> list[str]:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     summary = data["summary"]
     names = list(summary)
     colors = {"reference": "tab:gray", "executorch": "tab:blue", "onnx": "tab:orange"}
@@ -655,8 +616,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
         f"tg{data['args']['tokens']}, {data['machine']['cpu']}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -688,8 +648,7 @@ def main() -> int:
     stem = "runtime_backends" if args.scale == 0.25 else f"runtime_backends_s{args.scale:g}"
     if args.report_only:
         data = json.loads((RESULTS / f"{stem}.json").read_text())
-        (RESULTS / f"{stem}.md").write_text(report(data))
-        plot(data, RESULTS / f"{stem}.png")
+        write_report(RESULTS / stem, report(data), partial(plot, data))
         return 0
     t_start = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -731,11 +690,9 @@ def main() -> int:
         "runs": runs,
     }
     data["notes"] = notes(summary, data["prefill_logits_vs_reference"])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (RESULTS / f"{stem}.md").write_text(report(data))
-    plot(data, RESULTS / f"{stem}.png")
-    print((RESULTS / f"{stem}.md").read_text())
+    text = report(data)
+    write_results(RESULTS / stem, data, text, partial(plot, data))
+    print(text)
     return 0
 
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
-GIB = 2**30
+from harness import GIB, RESULTS, machine, pyplot, save_figure, write_results
 
 
 def smaps_by_file(names: tuple[str, ...]) -> dict[str, float]:
@@ -92,24 +91,12 @@ def child(bundle: Path, weight_cache: bool, prompt_len: int, tokens: int, thread
     }
 
 
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    from importlib.metadata import version
-
-    import executorch  # noqa: F401
-    import torch
-
+def machine_line() -> str:
+    """The host in one line of the report (this result's JSON records no machine)."""
+    m = machine(fields=("cpu", "cores", "memory_gib", "os", "torch", "executorch"))
     return (
-        f"{cpu}, {len(__import__('os').sched_getaffinity(0))} cores, {mem:.1f} GiB RAM; "
-        f"Linux {platform.release()}; torch {torch.__version__}, executorch {version('executorch')}"
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']:.1f} GiB RAM; {m['os']}; "
+        f"torch {m['torch']}, executorch {m['executorch']}"
     )
 
 
@@ -118,7 +105,7 @@ def report(runs: list[dict], command: str) -> str:
     lines = [
         "# Full-size E2B Q4_0 session memory (ExecuTorch, XNNPACK, cpu delegate)",
         "",
-        f"Run {datetime.date.today()} on {machine()}.",
+        f"Run {datetime.date.today()} on {machine_line()}.",
         f"Bundle: {bundle:.2f} GiB (model.pte {runs[0]['file_gib']['model.pte']:.2f} GiB, "
         f"tables.safetensors {runs[0]['file_gib']['tables.safetensors']:.2f} GiB: token "
         "table q4_0 + PLE table int8). "
@@ -153,11 +140,7 @@ def report(runs: list[dict], command: str) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     labels = ["weight cache on\n(edgemtp)", "weight cache off\n(ExecuTorch default)"]
     labels = [labels[0] if r["weight_cache"] else labels[1] for r in runs]
@@ -175,8 +158,7 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_xlabel("resident GiB after generating")
     ax.set_title("Full-size E2B Q4_0 session, ExecuTorch XNNPACK")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> int:
@@ -202,11 +184,9 @@ def main() -> int:
         print(json.dumps(runs[-1]["after_generate"]), file=sys.stderr)
     command = f"python benchmarks/runtime_e2b.py --bundle {args.bundle} --prompt {args.prompt} "
     command += f"--tokens {args.tokens} --threads {args.threads}"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "runtime_e2b.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    (RESULTS / "runtime_e2b.md").write_text(report(runs, command))
-    plot(runs, RESULTS / "runtime_e2b.png")
-    print((RESULTS / "runtime_e2b.md").read_text())
+    text = report(runs, command)
+    write_results(RESULTS / "runtime_e2b", {"runs": runs}, text, partial(plot, runs))
+    print(text)
     return 0
 
 

@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import shlex
 import statistics
 import sys
-import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from runtime_backends import machine
+from harness import (
+    RESULTS,
+    command_line,
+    machine,
+    ms_per_call,
+    pyplot,
+    save_figure,
+    write_results,
+)
 
 from edgemtp.runtime.sampling import SamplingParams, make_generator, probabilities, sample
 
-RESULTS = Path(__file__).parent / "results"
 VOCABS = (8192, 262144)
 SHAPES = {"peaked": 8.0, "spread": 2.0}
 SETTINGS = {
@@ -77,13 +81,6 @@ def transformers_choose(
     return torch.multinomial(probs, 1, generator=generator)
 
 
-def median_ms(choose: Callable[[torch.Tensor], Any], logits: torch.Tensor, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        choose(logits)
-    return (time.perf_counter() - start) / calls * 1e3
-
-
 def run(repeat: int, calls: int) -> list[dict[str, Any]]:
     rows = []
     for vocab in VOCABS:
@@ -102,8 +99,8 @@ def run(repeat: int, calls: int) -> list[dict[str, Any]]:
                 times: dict[str, list[float]] = {"edgemtp": [], "transformers": []}
                 ours(logits), theirs(logits)
                 for _ in range(repeat):
-                    times["edgemtp"].append(median_ms(ours, logits, calls))
-                    times["transformers"].append(median_ms(theirs, logits, calls))
+                    times["edgemtp"].append(ms_per_call(partial(ours, logits), calls))
+                    times["transformers"].append(ms_per_call(partial(theirs, logits), calls))
                 row = {
                     "vocab": vocab,
                     "logits": shape,
@@ -145,11 +142,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["rows"]
     labels = [f"{r['vocab']}\n{r['logits']}\n{r['setting']}" for r in rows]
     x = range(len(rows))
@@ -167,8 +160,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_title("Choosing one sampled token from one logit row")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -180,17 +172,15 @@ def main() -> None:
     torch.manual_seed(0)
     rows = run(args.repeat, args.calls)
     result = {
-        "command": "python " + shlex.join(["benchmarks/sampling.py", *sys.argv[1:]]),
+        "command": command_line("sampling.py"),
         "machine": machine(torch.get_num_threads()),
         "repeat": args.repeat,
         "calls": args.calls,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sampling.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "sampling.md").write_text(report(result))
-    plot(result, args.out / "sampling.png")
-    print(report(result))
+    text = report(result)
+    write_results(args.out / "sampling", result, text, partial(plot, result))
+    print(text)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ import shlex
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
-EDGEMTP = [sys.executable, "-m", "edgemtp.cli"]
+from harness import EDGEMTP, REPO, RESULTS, command_line, pyplot, save_figure, write_results
+
 MODELS = REPO / "models"
 WITHIN = 0.25
 
@@ -188,11 +188,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6.5, 6))
     for kind, marker in (("pp", "s"), ("tg", "o")):
@@ -211,8 +207,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("predicted tok/s (edgemtp simulate, host profile)")
     ax.set_title("Simulator vs this host (dotted: ±25 %)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -234,7 +229,7 @@ def main() -> None:
         docs = measure(args.work, args.threads, args.repeat, log)
     machine = docs[0]["machine"]
     result = {
-        "command": "python " + shlex.join(["benchmarks/simulator_host.py", *sys.argv[1:]]),
+        "command": command_line("simulator_host.py"),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{machine['cpu']}, {machine['cores']} cores",
         "threads": args.threads,
@@ -244,11 +239,9 @@ def main() -> None:
         "profile": profile_of(args.work, docs[0]["name"], args.threads).read_text().splitlines()[0],
         "predictions": {d["name"]: d["predictions"] for d in docs},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "simulator_host.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "simulator_host.md").write_text(report(result))
-    plot(result, args.out / "simulator_host.png")
-    print(report(result))
+    text = report(result)
+    write_results(args.out / "simulator_host", result, text, partial(plot, result))
+    print(text)
 
 
 if __name__ == "__main__":

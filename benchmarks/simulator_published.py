@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import shlex
 import sys
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from harness import RESULTS, command_line, pyplot, save_figure, write_results
 
 from edgemtp.devices.profiles import list_profiles, load_profile
 from edgemtp.devices.simulator import (
@@ -43,7 +44,6 @@ from edgemtp.devices.simulator import (
 from edgemtp.export.static import auto_context_buckets
 from edgemtp.model.cost import forward_work
 
-RESULTS = Path(__file__).parent / "results"
 PRESET, QUANT, MAX_CONTEXT, CHUNK = "e2b", "q4_0", 4096, 128
 PROMPT, GEN = 1024, 256
 DEPTHS = (0,)
@@ -364,11 +364,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(8, 7))
     values = [v for r in rows for v in (r["published_tok_s"], r["predicted_tok_s"])]
@@ -406,8 +402,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("edgemtp simulate, depth 0 (tok/s)")
     ax.set_title(f"Simulator vs published Gemma 4 E2B speeds ({QUANT}, prompt {PROMPT}/gen {GEN})")
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -416,18 +411,16 @@ def main() -> None:
     args = parser.parse_args()
     rows, skipped = run()
     result = {
-        "command": "python " + shlex.join(["benchmarks/simulator_published.py", *sys.argv[1:]]),
+        "command": command_line("simulator_published.py"),
         "date": datetime.date.today().isoformat(),
         "assumptions": assumptions(),
         "rows": rows,
         "not_checked": skipped,
         "aside": aside(rows),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "simulator_published.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "simulator_published.md").write_text(report(result))
-    plot(result, args.out / "simulator_published.png")
-    print(report(result))
+    text = report(result)
+    write_results(args.out / "simulator_published", result, text, partial(plot, result))
+    print(text)
 
 
 if __name__ == "__main__":

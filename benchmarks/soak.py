@@ -46,10 +46,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from runtime_backends import machine
+from harness import REPO, RESULTS, machine, pyplot, save_figure, write_results
 
 from edgemtp.runtime.demo import ASSISTANT, PROMPTS, TARGET, DemoSettings, ensure_bundle
 from edgemtp.runtime.probes import current_rss_mb
@@ -57,8 +58,6 @@ from edgemtp.runtime.sampling import SamplingParams
 from edgemtp.runtime.session import Session
 from edgemtp.runtime.tokenizer import PromptTokenizer
 
-RESULTS = Path(__file__).parent / "results"
-REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.05  # resident memory after warm-up stays within +-5 %
 DEF_LINE = re.compile(r"^[ \t]*(async[ \t]+)?def [^\n]*:[ \t]*$", re.MULTILINE)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
@@ -357,11 +356,7 @@ def _fds(summary: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex="col")
     for col, part in enumerate(("generate", "chat")):
         samples = [s for s in result["samples"] if s["part"] == part]
@@ -386,8 +381,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         fd_ax.set_ylim(0, max(s["open_fds"] for s in samples) + 5)
         fd_ax.set_xlabel("tokens committed in this part (grey: warm-up; green: ±5 %)")
     fig.suptitle("Soak, embedded pair, Q4_0 ExecuTorch, one session")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def git_state() -> tuple[str, bool]:
@@ -458,11 +452,8 @@ def main() -> None:
         },
         "samples": generate + chat,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
     text = report(result)
-    (args.out / "soak.md").write_text(text)
-    plot(result, args.out / "soak.png")
+    write_results(args.out / "soak", result, text, partial(plot, result))
     print(text)
 
 

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from attention_forms import busy
-from runtime_backends import machine
+from harness import RESULTS, command_line, machine, write_json, write_report
 
-RESULTS = Path(__file__).with_name("results")
 JOBS = 200
 
 
@@ -74,10 +70,8 @@ def main() -> None:
             {"gap_us": gap, "median_us": statistics.median(w), "p90_us": w[len(w) * 9 // 10]}
         )
         print(f"idle {gap:5d} µs -> hand-off {rows[-1]['median_us']:6.1f} µs", flush=True)
-    command = " ".join(["python", "benchmarks/threadpool_wake.py", *map(shlex.quote, sys.argv[1:])])
+    command = command_line("threadpool_wake.py")
     result = {"command": command, "machine": machine(args.threads), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "threadpool_wake.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}; {result['machine']['cpu']}, "
         f"{args.threads} threads; {args.rounds} rounds of {JOBS} empty jobs per gap).",
@@ -86,7 +80,9 @@ def main() -> None:
         "|---:|---:|---:|",
         *(f"| {r['gap_us']} | {r['median_us']:.1f} | {r['p90_us']:.1f} |" for r in rows),
     ]
-    (args.out / "threadpool_wake.md").write_text("\n".join(lines) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "threadpool_wake.json", result, indent=2)
+    write_report(args.out / "threadpool_wake", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
+from harness import pyplot, save_figure, write_results
 
 from edgemtp.model.checkpoint import load_target
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
@@ -67,29 +68,19 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(table + "\n")
-    args.out.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "command": " ".join(sys.argv),
-                "group": args.group,
-                "calib_tokens": len(calib),
-                "eval_tokens": len(held_out),
-                "results": rows,
-            },
-            indent=1,
-        )
-    )
-    plot(rows, args.out.with_suffix(".png"))
+    result = {
+        "command": " ".join(sys.argv),
+        "group": args.group,
+        "calib_tokens": len(calib),
+        "eval_tokens": len(held_out),
+        "results": rows,
+    }
+    # --out's own suffix, if it has one, gives way to .json/.md/.png, as it always has
+    write_results(args.out.with_suffix(""), result, table + "\n", partial(plot, rows))
 
 
 def plot(rows: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.5))
     methods = list(rows)
     a.bar(methods, [rows[m]["kl_mean"] for m in methods], color=["tab:gray", "tab:blue"])
@@ -99,8 +90,7 @@ def plot(rows: dict, path: Path) -> None:
     )
     b.set_ylabel("top-1 agreement with float, %")
     fig.suptitle("W4A16: round-to-nearest vs GPTQ (held-out tokens)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -40,25 +40,32 @@ import subprocess
 import sys
 import tarfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+# `python benchmarks/peers/run.py` puts only peers/ on sys.path; the shared harness and
+# runtime_backends (and export_e2b, imported later) live one folder up.
 BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))
 
-from runtime_backends import HOST_PHASES, machine  # noqa: E402
+from harness import (  # noqa: E402
+    RESULTS,
+    log,
+    machine,
+    pyplot,
+    save_figure,
+    write_report,
+    write_results,
+)
+from runtime_backends import HOST_PHASES  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-RESULTS = BENCHMARKS / "results"
 PROMPTS = (512, 2048)
 DEPTHS = (16, 512, 1800)
 DEPTH_TOKENS = 32
 TG = 128
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run(cmd: list[str], stream: bool = False) -> str:
@@ -411,11 +418,7 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     med = result["medians"]
     systems = list(med)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -438,16 +441,7 @@ def plot(result: dict, path: Path) -> None:
     axes[2].set_title("decode cost by position")
     axes[2].legend(fontsize=7)
     fig.suptitle(f"PEER-90M Q4_0, {result['threads']} threads")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def write_results(result: dict) -> None:
-    """peers.md and peers.png from a result, and the table on screen."""
-    text = report(result)
-    (RESULTS / "peers.md").write_text(text)
-    plot(result, RESULTS / "peers.png")
-    print(text)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -462,7 +456,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.report_only:
-        write_results(json.loads((RESULTS / "peers.json").read_text()))
+        result = json.loads((RESULTS / "peers.json").read_text())
+        text = report(result)
+        write_report(RESULTS / "peers", text, partial(plot, result))
+        print(text)
         return
     if args.child:
         system, path = args.child
@@ -484,9 +481,9 @@ def main() -> None:
         "runs": runs,
         "medians": summarize(runs),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "peers.json").write_text(json.dumps(result, indent=1) + "\n")
-    write_results(result)
+    text = report(result)
+    write_results(RESULTS / "peers", result, text, partial(plot, result))
+    print(text)
 
 
 if __name__ == "__main__":
