@@ -9,7 +9,7 @@
 #   5. the core accepts the bundle's manifest.json (manifest_test) and reads what it holds,
 #   6. the core's tokenizer gives the bundle's tokenizer.json the same ids as `tokenizers` on the
 #      demo prompts (plain and as a chat turn),
-#   7. the manifest validates against export/manifest.schema.json, whose schema version is the
+#   7. the manifest validates against runtime/manifest.schema.json, whose schema version is the
 #      one the core reads.
 #
 # Usage: apps/check.sh            (from anywhere; needs cmake, a C++17 compiler, the edgemtp venv)
@@ -68,8 +68,8 @@ ctest --test-dir "$work/core" --output-on-failure >"$work/ctest.log" \
 grep "tests passed" "$work/ctest.log"
 
 begin "export the embedded demo pair to ONNX (q4_0, context 256, depth 3, chunk 32)"
-edgemtp export --model "$root/models/embedded-target" \
-  --drafter "$root/models/embedded-assistant" --quant q4_0 --backend onnx \
+edgemtp export --model "$root/checkpoints/embedded-target" \
+  --drafter "$root/checkpoints/embedded-assistant" --quant q4_0 --backend onnx \
   --max-context 256 --draft-depth 3 --prefill-chunk 32 --out "$work/bundle" 2>"$work/export.log" \
   || { cat "$work/export.log" >&2; exit 1; }
 
@@ -116,7 +116,7 @@ print(
 EOF
 
 begin "tokenizer_test: the core tokenizes the demo prompts as tokenizers does (the bundle's tokenizer.json)"
-"$python" - "$root/models/embedded-target/demo_prompts.json" "$work/tokenizer-cases.json" <<'EOF'
+"$python" - "$root/checkpoints/embedded-target/demo_prompts.json" "$work/tokenizer-cases.json" <<'EOF'
 import json
 import sys
 
@@ -145,9 +145,9 @@ tokens = sum(len(e["with"]) for e in core["encode"])
 print(f"{len(prompts)} prompts, {tokens} tokens: the same ids as tokenizers and PromptTokenizer")
 EOF
 
-begin "the manifest validates against export/manifest.schema.json (the schema the core reads)"
+begin "the manifest validates against runtime/manifest.schema.json (the schema the core reads)"
 "$work/core/manifest_test" --reads >"$work/reads.json"
-"$python" - "$root/export/manifest.schema.json" "$work/bundle/manifest.json" \
+"$python" - "$root/runtime/manifest.schema.json" "$work/bundle/manifest.json" \
   "$work/reads.json" <<'EOF'
 import json
 import sys

@@ -16,7 +16,7 @@ in this process, interleaved, medians of `--repeat` rounds:
 - `custom_sdpa`: ExecuTorch's own `llama::custom_sdpa` (its LLM custom ops, in the wheel), which
   reads only the cache's valid prefix;
 - `kernel`: edgemtp's own ExecuTorch kernel (`runtime/kernels/cache_attention.cpp`, what
-  `--attention kernel` programs call for decode, verify and draft rows), and `kernel_fp16`: the
+  `--kernels edgemtp` programs call for decode, verify and draft rows), and `kernel_fp16`: the
   same over a float16 cache, as kernel bundles store it (checked against eager attention over
   the float16 values);
 - `eager`: the same batched matmuls in eager PyTorch (MKL), as a reference for the hardware.
@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from harness import RESULTS, machine, pyplot, save_figure, write_results
 from torch import Tensor, nn
 
-from edgemtp.export.exportable import segment_attention
 from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
+from edgemtp.runtime.kernels.ops import segment_attention
 
 CALLS = 200  # per timing round
 

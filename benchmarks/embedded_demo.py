@@ -4,7 +4,7 @@ bundle at each draft depth, with where the time goes.
     python benchmarks/embedded_demo.py [--bundle DIR] [--depths 1 2 3] [--repeat 5] [--tokens 128]
         [--out embedded_demo]
 
-For each depth, `runtime.demo.run_demo` (the demo's own code: held-out prompts, AR and MTP
+For each depth, `cli.demo.run_demo` (the demo's own code: held-out prompts, AR and MTP
 interleaved on identical inputs, warm-up excluded, medians of `--repeat` runs of every prompt,
 greedy MTP tokens checked equal to AR's) on one bundle exported for the deepest depth (shallower
 rounds are left-padded into its verify method, as the runtime does). Writes
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from harness import RESULTS, machine, pyplot, save_figure, write_results
 
-from edgemtp.runtime.demo import ASSISTANT, TARGET, DemoSettings, run_demo
+from edgemtp.cli.demo import DemoSettings, run_demo
+from edgemtp.model.embedded import ASSISTANT, TARGET
 
 
 def plot(result: dict, path: Path) -> None:

@@ -16,8 +16,8 @@ Prompts: `edgemtp.train.data.held_out_prompts` over the held-out split of this P
 (the split rule is by path hash, so no held-out file was trained on).
 
 Usage:
-  python benchmarks/embedded_pair.py [--target models/embedded-target]
-      [--assistant models/embedded-assistant] [--bundle BUNDLE] [--prompts 16] [--tokens 128]
+  python benchmarks/embedded_pair.py [--target checkpoints/embedded-target]
+      [--assistant checkpoints/embedded-assistant] [--bundle BUNDLE] [--prompts 16] [--tokens 128]
 Writes benchmarks/results/embedded_pair.{json,md,png}.
 """
 
@@ -73,8 +73,10 @@ def measure(session: Session, prompts: list[list[int]], depths: list[int], token
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=Path, default=REPO / "models" / "embedded-target")
-    parser.add_argument("--assistant", type=Path, default=REPO / "models" / "embedded-assistant")
+    parser.add_argument("--target", type=Path, default=REPO / "checkpoints" / "embedded-target")
+    parser.add_argument(
+        "--assistant", type=Path, default=REPO / "checkpoints" / "embedded-assistant"
+    )
     parser.add_argument("--bundle", type=Path, help="the demo bundle (printed by `edgemtp demo`)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)

@@ -198,15 +198,15 @@ def main() -> None:
 
     from executorch.extension.pybindings import portable_lib
 
-    from edgemtp.export.driver import enable_xnnpack_weight_cache
     from edgemtp.runtime import kernels
+    from edgemtp.runtime.runners.executorch import enable_xnnpack_weight_cache
 
     manifest = json.loads((args.bundle / "manifest.json").read_text())
     if manifest["backend"] != "executorch":
         sys.exit(f"{args.bundle}: a {manifest['backend']} bundle; this script times ExecuTorch")
     pte = args.bundle / manifest["program"]
     enable_xnnpack_weight_cache()
-    kernels.load()  # a program exported with --attention kernel calls them
+    kernels.load()  # a program exported with --kernels edgemtp calls them
     portable_lib._unsafe_reset_threadpool(args.threads)
     torch.manual_seed(0)
     result = {

@@ -24,7 +24,8 @@ import torch
 from harness import RESULTS, command_line, machine, pyplot, save_figure, write_results
 
 from edgemtp.cli import main as edgemtp
-from edgemtp.runtime.demo import ASSISTANT, TARGET, load_prompts
+from edgemtp.cli.demo import load_prompts
+from edgemtp.model.embedded import ASSISTANT, TARGET
 from edgemtp.runtime.session import Session
 
 KINDS = ("int8", "fp32")

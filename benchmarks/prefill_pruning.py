@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from harness import machine, pyplot, save_figure, write_results
 
-from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.model.cache import KVCache
 from edgemtp.model.cost import prefill_flops
+from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.generate import generate, prefill
-from edgemtp.runtime.kv_cache import KVCache
 
 
 def timed_prefill(target, ids: torch.Tensor, chunk: int, prune: bool) -> float:

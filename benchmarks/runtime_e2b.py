@@ -52,7 +52,7 @@ def smaps_by_file(names: tuple[str, ...]) -> dict[str, float]:
 def child(bundle: Path, weight_cache: bool, prompt_len: int, tokens: int, threads: int) -> dict:
     import torch
 
-    from edgemtp.export.bundle import read_manifest
+    from edgemtp.runtime.bundle import read_manifest
     from edgemtp.runtime.probes import current_rss_mb, peak_rss_mb
     from edgemtp.runtime.session import Session
 

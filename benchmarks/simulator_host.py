@@ -33,7 +33,7 @@ from typing import Any
 
 from harness import EDGEMTP, REPO, RESULTS, command_line, pyplot, save_figure, write_results
 
-MODELS = REPO / "models"
+MODELS = REPO / "checkpoints"
 WITHIN = 0.25
 
 
@@ -107,7 +107,8 @@ def repredict(work: Path, threads: int) -> list[dict[str, Any]]:
     calibrated before each bench and, where there is one, the one calibrated after it: a row's
     prediction is the geometric mean of the two (the host's state during the bench lies between
     them, as far as two calibrations can tell)."""
-    from edgemtp.runtime.bench import BenchPlan, predict
+    from edgemtp.devices.bench_prediction import predict_bench as predict
+    from edgemtp.runtime.bench import BenchPlan
 
     docs = []
     for name in bundles(work):

@@ -41,8 +41,8 @@ from edgemtp.devices.simulator import (
     model_from_preset,
     simulate,
 )
-from edgemtp.export.static import auto_context_buckets
 from edgemtp.model.cost import forward_work
+from edgemtp.model.static import auto_context_buckets
 
 PRESET, QUANT, MAX_CONTEXT, CHUNK = "e2b", "q4_0", 4096, 128
 PROMPT, GEN = 1024, 256

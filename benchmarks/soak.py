@@ -3,7 +3,7 @@
     python benchmarks/soak.py [--bundle DIR] [--tokens 10000] [--turns 50] [--out DIR]
 
 The embedded default pair's demo bundle (`edgemtp demo`'s: Q4_0 ExecuTorch XNNPACK, max context
-512, draft depth 3; exported once by `runtime.demo.ensure_bundle` and cached) is opened once with
+512, draft depth 3; exported once by `cli.demo.ensure_bundle` and cached) is opened once with
 `Session.from_bundle` (1 thread), and that one session runs both parts:
 
   1. generate: `session.generate(prompt, budget, stop_ids=())` over varied prompts until at least
@@ -52,7 +52,8 @@ from typing import Any
 
 from harness import REPO, RESULTS, machine, pyplot, save_figure, write_results
 
-from edgemtp.runtime.demo import ASSISTANT, PROMPTS, TARGET, DemoSettings, ensure_bundle
+from edgemtp.cli.demo import DemoSettings, ensure_bundle
+from edgemtp.model.embedded import ASSISTANT, PROMPTS, TARGET
 from edgemtp.runtime.probes import current_rss_mb
 from edgemtp.runtime.sampling import SamplingParams
 from edgemtp.runtime.session import Session

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from harness import pyplot, save_figure, write_results
 
-from edgemtp.model.checkpoint import load_target
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 from edgemtp.quantize.gptq import collect_hessians
-from edgemtp.quantize.report import build_report
+from edgemtp.quantize.load import load_target
+from edgemtp.runtime.quality import build_report
 from edgemtp.runtime.tokenizer import token_file
 
 

@@ -87,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from edgemtp.devices.profiles import USER_PROFILE_DIR
+    from edgemtp.model.embedded import PROMPTS
     from edgemtp.runtime import bench
     from edgemtp.runtime.bench_report import text_table, write_report
-    from edgemtp.runtime.demo import PROMPTS
     from edgemtp.runtime.session import Session
 
     check_positive("--threads", args.threads)
@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     runs = bench.run_bench(session, plan, texts, say)
     predictions = None
     if device not in (None, "none"):
-        predictions = bench.predict(args.bundle, device, session.info["delegate"], plan, runs)
+        from edgemtp.devices.bench_prediction import predict_bench
+
+        predictions = predict_bench(args.bundle, device, session.info["delegate"], plan, runs)
     elif device is None:
         say("no host profile: `edgemtp devices calibrate` once to see predictions beside these")
     command = "edgemtp " + shlex.join(["bench", *sys.argv[2:]])

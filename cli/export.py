@@ -14,8 +14,8 @@ from edgemtp.errors import EdgeMTPError
 if TYPE_CHECKING:
     from edgemtp.model.config import TextConfig
 
-# --kernels -> what export/ calls the same choice (ExportRequest.attention)
-KERNELS = {"edgemtp": "kernel", "xnnpack": "matmul"}
+# --attention (the old name of --kernels) -> --kernels
+ATTENTION = {"kernel": "edgemtp", "matmul": "xnnpack"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,19 +60,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kernels",
-        choices=tuple(KERNELS),
+        choices=("edgemtp", "xnnpack"),
         help="which kernels an ExecuTorch cpu bundle runs its decode, verify and draft steps "
         "in: edgemtp's own (default: Q4_0 linears, attention, norms, a float16 KV cache) or "
         "XNNPACK's only, what the stock ExecuTorch runtimes have",
     )
     # --kernels' old name (the switch covers more than attention): hidden, warns when used
-    p.add_argument("--attention", choices=tuple(KERNELS.values()), help=argparse.SUPPRESS)
+    p.add_argument("--attention", choices=tuple(ATTENTION), help=argparse.SUPPRESS)
     p.add_argument("--out", required=True, type=Path, help="bundle folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
 
 
 def context_buckets(text: str, args: argparse.Namespace) -> tuple[int, ...]:
-    from edgemtp.export.static import auto_context_buckets
+    from edgemtp.model.static import auto_context_buckets
 
     if text == "none":
         return ()
@@ -90,7 +90,7 @@ def context_buckets(text: str, args: argparse.Namespace) -> tuple[int, ...]:
 def _check_context(max_context: int, max_draft: int, cfg: TextConfig, model: Path) -> None:
     """A context the model was not trained for, or a cache larger than this machine's memory,
     is refused before anything is allocated."""
-    from edgemtp.runtime.kv_cache import cache_bytes
+    from edgemtp.model.cache import cache_bytes
     from edgemtp.runtime.probes import physical_memory
 
     if max_context > cfg.max_position_embeddings:
@@ -107,8 +107,8 @@ def _check_context(max_context: int, max_draft: int, cfg: TextConfig, model: Pat
 
 
 def _kernels(args: argparse.Namespace) -> str | None:
-    """ExportRequest.attention from --kernels or its deprecated alias --attention; None leaves
-    export/ its default (edgemtp's kernels on ExecuTorch cpu)."""
+    """--kernels, or its deprecated alias --attention; None leaves export/ its default
+    (edgemtp's kernels on ExecuTorch cpu)."""
     if args.attention is not None:
         if args.kernels is not None:
             raise EdgeMTPError("--attention is the old name of --kernels: pass only --kernels")
@@ -116,25 +116,18 @@ def _kernels(args: argparse.Namespace) -> str | None:
             "edgemtp export: --attention is deprecated; use --kernels edgemtp|xnnpack",
             file=sys.stderr,
         )
-        return args.attention
-    if args.kernels is None:
-        return None
-    if (args.backend, args.delegate) != ("executorch", "cpu"):
-        # export/ refuses it too, but naming --attention, the field's name there
-        raise EdgeMTPError(
-            f"--kernels is an ExecuTorch cpu option, not {args.backend}/{args.delegate} (the "
-            "other delegates run in their own kernels): drop it"
-        )
-    return KERNELS[args.kernels]
+        return ATTENTION[args.attention]
+    return args.kernels
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from edgemtp.export.bundle import ExportRequest, export
-    from edgemtp.export.static import StaticShapes
-    from edgemtp.model.checkpoint import open_checkpoint, target_config
-    from edgemtp.runtime.kv_cache import cache_slots
+    from edgemtp.model.cache import cache_slots
+    from edgemtp.model.checkpoint import target_config
+    from edgemtp.model.static import StaticShapes
+    from edgemtp.quantize.load import open_checkpoint
     from edgemtp.runtime.probes import peak_rss_mb
 
     kernels = _kernels(args)

@@ -110,8 +110,8 @@ def run_report(args: argparse.Namespace) -> int:
 
     import torch
 
-    from edgemtp.model.checkpoint import load_drafter, load_target
-    from edgemtp.quantize.report import build_report, plot_weight_error
+    from edgemtp.quantize.load import load_drafter, load_target
+    from edgemtp.runtime.quality import build_report, plot_weight_error
     from edgemtp.runtime.tokenizer import token_file
 
     ids = token_file(args.text, args.model, args.tokens + 1)
@@ -144,8 +144,8 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def _calibration_hessians(args: argparse.Namespace) -> dict:
-    from edgemtp.model.checkpoint import load_target
     from edgemtp.quantize.gptq import collect_hessians
+    from edgemtp.quantize.load import load_target
     from edgemtp.runtime.tokenizer import token_file
 
     if args.calib is None:

@@ -58,7 +58,7 @@ def _acceptance(text: str, depth: int) -> Any:
 def run(args: argparse.Namespace) -> int:
     from edgemtp.devices.profiles import load_profile
     from edgemtp.devices.simulator import model_from_bundle, model_from_preset, simulate
-    from edgemtp.export.static import auto_context_buckets
+    from edgemtp.model.static import auto_context_buckets
 
     try:
         depths = tuple(sorted({int(d) for d in (args.mtp or "0").split(",")}))

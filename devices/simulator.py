@@ -35,8 +35,7 @@ from typing import Any
 
 from edgemtp.devices.profiles import DelegateProfile, DeviceProfile
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.exportable import KERNEL_MAX_ROWS
-from edgemtp.export.static import StaticShapes
+from edgemtp.model.cache import cache_bytes, cache_slots
 from edgemtp.model.config import AssistantConfig, TextConfig
 from edgemtp.model.cost import (
     BITS_PER_WEIGHT,
@@ -46,10 +45,11 @@ from edgemtp.model.cost import (
     layer_weights,
     static_cache_keys,
 )
+from edgemtp.model.forward import prefill_chunks
+from edgemtp.model.static import StaticShapes
 from edgemtp.runtime.adaptive import expected_committed
 from edgemtp.runtime.bench import acceptance_by_position
-from edgemtp.runtime.kernels import CACHE_ATTENTION, CACHE_ATTENTION_ROWS
-from edgemtp.runtime.kv_cache import cache_bytes, cache_slots
+from edgemtp.runtime.kernels.ops import KERNEL_MAX_ROWS
 
 # Operators per decoder layer an exported XNNPACK program dispatches, when no bundle says (the
 # PEER-90M ExecuTorch export: verify_0 runs 1791 operators over 12 layers, portable kernel calls
@@ -391,9 +391,9 @@ def simulate(
     choose = (unit.host_ns_per_logit or 0.0) * 1e-9 * cfg.vocab_size  # one row's token
 
     prefill = _host(choose)
-    for start in range(0, prompt, model.chunk):
-        rows = range(start, min(start + model.chunk, prompt))
-        last = rows.stop == prompt
+    for start, end in prefill_chunks(prompt, model.chunk):
+        rows = range(start, end)
+        last = end == prompt
         method, keys = model.prefill(last, rows.stop)
         work = forward_work(cfg, rows, int(last), int(last), bits, keys, model.cache_itemsize)
         owned = layers if last else cfg.first_shared_layer
@@ -516,8 +516,8 @@ def stored_bytes(cfg: TextConfig, drafter: AssistantConfig | None, quant: str) -
 
 def model_from_bundle(bundle: Path) -> Model:
     """A bundle's configs, shapes, stored bytes and the operators of each of its methods."""
-    from edgemtp.export.bundle import read_manifest
     from edgemtp.model.checkpoint import drafter_config, target_config
+    from edgemtp.runtime.bundle import read_manifest
 
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
@@ -557,7 +557,7 @@ def model_from_bundle(bundle: Path) -> Model:
         moved,
         float_linear_flops(manifest),
         bool(
-            {CACHE_ATTENTION, CACHE_ATTENTION_ROWS}
+            {"edgemtp::cache_attention.out", "edgemtp::cache_attention_rows.out"}
             & set(manifest["backend_details"].get("kernels", []))
         ),
         2 if any(b["dtype"] == "float16" for b in manifest["cache"]["buffers"]) else 4,
@@ -709,7 +709,7 @@ def method_operators(
     if manifest["backend"] == "onnx":
         import onnx
 
-        from edgemtp.export.onnx import INDEX
+        from edgemtp.runtime.runners.onnx import INDEX
 
         methods = json.loads((program / INDEX).read_text())["methods"]
         return {

@@ -1,13 +1,5 @@
-"""The export bundle: one folder a device runtime needs, described by `manifest.json`.
-
-    BUNDLE/
-      manifest.json          schema, shapes, layer KV roles, cache layout, methods, numerics,
-                             quantization, backend/delegate, and size + SHA-256 of every file
-      model.pte | *.onnx | model.mlpackage/    the compiled program (written by the backend)
-      tables.safetensors     token and per-layer embedding tables in their stored (quantized) form,
-                             memory-mappable; the runtime gathers rows on the host
-      config.json, drafter_config.json         the checkpoints' configs (model shapes, tokens)
-      tokenizer.json, ...    the target's tokenizer files, when it has them
+"""`edgemtp export`: one folder a device runtime needs, described by `manifest.json` (its layout
+and reading: `runtime/bundle.py`).
 
 Export writes into a hidden temporary sibling of the output folder and renames it at the end,
 so an interrupted or failed export leaves nothing at `--out`. Same inputs give the same bytes:
@@ -16,14 +8,12 @@ no timestamps, sorted keys, deterministic programs (each backend tests its own).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,40 +22,24 @@ import torch
 
 from edgemtp import __version__
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.static import StaticBundle, StaticShapes, method_kind
+from edgemtp.export.lowered import Lowered, Progress
 from edgemtp.files import staged_folder
 from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.model.config import TextConfig
-from edgemtp.model.gemma4 import Rows, TokenTables
-from edgemtp.model.safetensors_file import SafetensorsFile, TensorEntry, write_tensors
-
-Progress = Callable[[str], None]
-
-SCHEMA_VERSION = 1
-SCHEMA = Path(__file__).with_name("manifest.schema.json")
-MANIFEST = "manifest.json"
-TABLES = "tables.safetensors"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "generation_config.json",
+from edgemtp.model.safetensors_file import TensorEntry, write_tensors
+from edgemtp.model.static import StaticBundle, StaticShapes, method_io
+from edgemtp.model.tables import Rows, TensorRows, TokenTables
+from edgemtp.runtime.bundle import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    TABLES,
+    TOKENIZER_FILES,
+    check_manifest,
+    sha256_file,
 )
-_TABLE_CHUNK_ROWS = 8192
+from edgemtp.runtime.capabilities import check_pair
 
-
-@dataclass
-class Lowered:
-    """What a backend wrote into the bundle's temporary folder and what the manifest says of it."""
-
-    files: list[str]  # every file written, relative to the folder (a .mlpackage: each file in it)
-    program: str  # the file or folder the runtime opens (e.g. "model.pte")
-    numerics: dict[str, str]  # weights / activations / accumulation / notes, as really computed
-    details: dict[str, Any] = field(default_factory=dict)  # delegation summary, op counts, ...
-    method_io: dict[str, Any] = field(default_factory=dict)  # backend-level I/O beyond the logical
-
+_TABLE_CHUNK_ROWS = 8192  # rows written at a time: a table is streamed, never whole in memory
 
 # --- host tables -------------------------------------------------------------------------------
 
@@ -84,7 +58,8 @@ def _table_entries(role: str, rows: Rows) -> list[tuple[TensorEntry, Any, str]]:
             (TensorEntry(f"{role}.int8", "I8", tuple(rows.values.shape)), rows.values, "int8_row"),
             (TensorEntry(f"{role}.row_scale", "F16", tuple(rows.scales.shape)), rows.scales, ""),
         ]
-    if isinstance(rows, torch.Tensor):
+    if isinstance(rows, TensorRows):
+        rows = rows.table
         code = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[rows.dtype]
         return [(TensorEntry(f"{role}.weight", code, tuple(rows.shape)), rows, code.lower())]
     raise EdgeMTPError(f"cannot store a {type(rows).__name__} lookup table in a bundle")
@@ -126,29 +101,6 @@ def write_tables(tables: TokenTables, folder: Path, progress: Progress) -> dict[
         progress(f"table {role}: {formats[0]} {rows.shape[0]}x{rows.shape[1]}")
     out["file"] = TABLES
     return out
-
-
-def open_tables(bundle: Path, cfg: TextConfig, description: dict[str, Any]) -> TokenTables:
-    """The bundle's tables, memory-mapped: rows are read and dequantized only when looked up."""
-    from edgemtp.quantize.gguf_import import Q8_0Rows
-    from edgemtp.quantize.tables import Int8Rows, Q4_0Rows
-
-    file = SafetensorsFile(Path(bundle) / description["file"])
-    file.advise_random()
-
-    def rows(role: str) -> Rows:
-        d = description[role]
-        fmt, cols = d["format"], d["shape"][1]
-        if fmt == "q4_0":
-            return Q4_0Rows(file.tensor(f"{role}.q4_0").numpy(), cols)
-        if fmt == "q8_0":
-            return Q8_0Rows(file.tensor(f"{role}.q8_0").numpy(), cols)
-        if fmt == "int8_row":
-            return Int8Rows(file.tensor(f"{role}.int8"), file.tensor(f"{role}.row_scale"))
-        return file.tensor(f"{role}.weight")
-
-    per_layer = rows("ple") if "ple" in description else None
-    return TokenTables(rows("token"), per_layer, cfg.num_layers, cfg.hidden_size_per_layer_input)
 
 
 # --- manifest pieces ---------------------------------------------------------------------------
@@ -196,18 +148,6 @@ def _spec(t: torch.Tensor) -> dict[str, Any]:
     return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
 
-_INPUT_NAMES = {
-    "draft_step": ("token_embed", "hidden", "position"),
-    "default": ("embeds", "token_ple", "positions"),
-}
-_OUTPUT_NAMES = {
-    "prefill_intermediate": ("cache_length",),
-    "prefill_final": ("hidden", "logits"),
-    "verify": ("logits", "hidden"),
-    "draft_step": ("next_hidden", "token_ids", "logits"),
-}
-
-
 def method_signatures(static: StaticBundle) -> dict[str, Any]:
     """Every method's inputs and outputs (names, shapes, dtypes), from one eager call each on
     the example inputs; the cache is emptied again afterwards."""
@@ -216,9 +156,7 @@ def method_signatures(static: StaticBundle) -> dict[str, Any]:
         for name, (module, inputs) in static.methods().items():
             result = module(*inputs)
             result = result if isinstance(result, tuple) else (result,)
-            kind = method_kind(name)
-            in_names = _INPUT_NAMES.get(kind, _INPUT_NAMES["default"])
-            out_names = _OUTPUT_NAMES[kind]
+            in_names, out_names = method_io(name)
             out[name] = {
                 "inputs": [{"name": n, **_spec(t)} for n, t in zip(in_names, inputs, strict=True)],
                 "outputs": [
@@ -227,14 +165,6 @@ def method_signatures(static: StaticBundle) -> dict[str, Any]:
             }
     static.cache.reset()
     return out
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_table(folder: Path) -> dict[str, dict[str, Any]]:
@@ -275,110 +205,7 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(bundle: Path, manifest: dict[str, Any]) -> None:
-    """Check every file the manifest lists against its size and SHA-256 (and that no file is
-    missing); raises naming the first file that differs."""
-    bundle = Path(bundle)
-    for name, expected in manifest["files"].items():
-        path = bundle / name
-        if not path.is_file():
-            raise EdgeMTPError(f"{bundle}: '{name}' is missing; export the bundle again")
-        if path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
-            raise EdgeMTPError(
-                f"{bundle}: '{name}' does not match its SHA-256 in the manifest (corrupt or "
-                "modified); export the bundle again"
-            )
-
-
-@functools.cache
-def _validator() -> Any:
-    import jsonschema
-
-    schema = json.loads(SCHEMA.read_text())
-    jsonschema.Draft202012Validator.check_schema(schema)
-    return jsonschema.Draft202012Validator(schema)
-
-
-def check_manifest(manifest: Any, path: Path) -> None:
-    """Raise one line naming what is wrong with `manifest` (read from or written to `path`):
-    a schema version this edgemtp does not read, a field out of `manifest.schema.json`, or a
-    file it names that the bundle does not list."""
-    import jsonschema
-
-    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
-    if version != SCHEMA_VERSION:
-        writer = manifest.get("edgemtp_version", "?") if isinstance(manifest, dict) else "?"
-        newer = isinstance(version, int) and version > SCHEMA_VERSION
-        fix = f"use edgemtp {writer} or newer to run it" if newer else "export the bundle again"
-        raise EdgeMTPError(
-            f"{path}: manifest schema version {version} (written by edgemtp {writer}); this "
-            f"edgemtp {__version__} reads schema version {SCHEMA_VERSION}: {fix}"
-        )
-    error = jsonschema.exceptions.best_match(_validator().iter_errors(manifest))
-    if error is not None:
-        field = "/".join(str(part) for part in error.absolute_path) or "(the whole manifest)"
-        what = error.message
-        if error.validator == "pattern":  # say what the pattern means, not the pattern
-            what = f"{error.instance!r:.80} is not {error.schema['description']}"
-        raise EdgeMTPError(
-            f"{path}: manifest field '{field[:120]}': {what[:160]}; export the bundle again"
-        )
-    files = manifest["files"]
-    named = [manifest["program"], manifest["tables"]["file"], manifest["model"]["config"]]
-    named += [manifest["drafter"]["config"]] if manifest["drafter"] else []
-    for name in [*named, *manifest["tokenizer"]]:
-        if name not in files and not any(f.startswith(name.rstrip("/") + "/") for f in files):
-            raise EdgeMTPError(
-                f"{path}: the manifest names '{name[:120]}' but lists no such file; export the "
-                "bundle again"
-            )
-    if len(manifest["model"]["layers"]) != manifest["model"]["num_layers"]:
-        raise EdgeMTPError(
-            f"{path}: the manifest describes {len(manifest['model']['layers'])} layers of a "
-            f"{manifest['model']['num_layers']}-layer model; export the bundle again"
-        )
-
-
-def read_manifest(bundle: Path) -> dict[str, Any]:
-    """The bundle's manifest, checked against the schema (not yet against the files)."""
-    path = Path(bundle) / MANIFEST
-    if not path.is_file():
-        raise EdgeMTPError(f"{bundle}: no {MANIFEST} (is this an edgemtp export bundle?)")
-    try:
-        manifest = json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, 4300+ digits
-        detail = " ".join(str(err).split())[:120] or type(err).__name__
-        raise EdgeMTPError(
-            f"{path}: corrupt manifest ({detail}); export the bundle again"
-        ) from None
-    check_manifest(manifest, path)
-    return manifest
-
-
 # --- the export --------------------------------------------------------------------------------
-
-BACKENDS = ("executorch", "coreml", "onnx")
-DELEGATES = ("cpu", "metal", "npu", "htp")
-# Which delegates each backend can target, and what to do instead when it cannot.
-SUPPORTED = {
-    "executorch": {"cpu": "XNNPACK", "metal": "Core ML", "npu": "Core ML", "htp": "QNN"},
-    "coreml": {"cpu": "CPU_ONLY", "metal": "CPU_AND_GPU", "npu": "CPU_AND_NE"},
-    "onnx": {"cpu": "CPU EP", "htp": "QNN EP (QDQ)"},
-}
-
-
-def check_pair(backend: str, delegate: str) -> None:
-    if backend not in SUPPORTED:
-        raise EdgeMTPError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
-    if delegate not in SUPPORTED[backend]:
-        others = [b for b in BACKENDS if delegate in SUPPORTED[b]]
-        where = "no backend has it"
-        if others:
-            where = f"for {delegate} use --backend {' or '.join(others)}"
-        raise EdgeMTPError(
-            f"--backend {backend} has no '{delegate}' delegate (it has "
-            f"{', '.join(SUPPORTED[backend])}); {where}"
-        )
 
 
 @dataclass(frozen=True)
@@ -392,7 +219,7 @@ class ExportRequest:
     out: Path
     force: bool = False
     activations: str | None = None  # ONNX cpu: "int8" (default) or "fp32"; others: fixed
-    attention: str | None = None  # ExecuTorch cpu: "kernel" (default) or "matmul"
+    kernels: str | None = None  # ExecuTorch cpu: "edgemtp" (default) or "xnnpack"
 
 
 def _lowerer(backend: str) -> Callable[..., Lowered]:
@@ -411,8 +238,8 @@ def _lowerer(backend: str) -> Callable[..., Lowered]:
 
 def _stored_scheme(path: Path) -> str:
     """ "q4_0", "w4a16", "gguf" or "none": how a checkpoint stores its linear weights."""
-    from edgemtp.model.checkpoint import open_checkpoint
     from edgemtp.quantize.checkpoint import QuantizedSource
+    from edgemtp.quantize.load import open_checkpoint
 
     source = open_checkpoint(path)
     if isinstance(source, QuantizedSource):
@@ -463,8 +290,9 @@ def _check_space(out: Path, target: Path, drafter: Path | None) -> None:
 
 def _check_configs(target: Path, drafter: Path | None) -> None:
     """Fail before any work when the target is not Gemma 4 or the drafter is not its assistant."""
-    from edgemtp.model.checkpoint import drafter_config, open_checkpoint, target_config
+    from edgemtp.model.checkpoint import drafter_config, target_config
     from edgemtp.model.config import check_drafter_matches
+    from edgemtp.quantize.load import open_checkpoint
 
     source = open_checkpoint(target)
     cfg = target_config(source.config, str(source.path))
@@ -487,10 +315,10 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
             "4-bit kernels take int8 activations, Core ML fp16, the HTP calibrated uint16): "
             "drop it"
         )
-    if req.attention is not None and (req.backend, req.delegate) != ("executorch", "cpu"):
+    if req.kernels is not None and (req.backend, req.delegate) != ("executorch", "cpu"):
         raise EdgeMTPError(
-            f"--attention is an ExecuTorch cpu option, not {req.backend}/{req.delegate} (the "
-            "other delegates run attention in their own kernels): drop it"
+            f"--kernels is an ExecuTorch cpu option, not {req.backend}/{req.delegate} (the "
+            "other delegates run their own kernels): drop it"
         )
     if req.backend == "executorch" and req.delegate == "htp":
         from edgemtp.export.executorch import qnn_sdk
@@ -526,7 +354,7 @@ def _write_bundle(
 ) -> dict[str, Any]:
     """Everything `export` writes, into `tmp` (quantized inputs go to `scratch`)."""
     from edgemtp.export.weights import attach_int4, int4_counts
-    from edgemtp.model.checkpoint import load_drafter, load_target
+    from edgemtp.quantize.load import load_drafter, load_target
 
     stage = time.perf_counter()
     target_path, scheme = _prepare(req.model, req.quant, "target", scratch, progress)
@@ -541,6 +369,8 @@ def _write_bundle(
     if drafter is not None:
         attach_int4(drafter.model, drafter.source, drafter.names)
     progress(f"load: {time.perf_counter() - stage:.1f} s")
+    # counted before lowering: a backend's form replaces the linears by its own
+    int4_linears = int4_counts(target.model, *([drafter.model] if drafter else []))
     static = StaticBundle.build(target.model, drafter.model if drafter else None, req.shapes)
     stage = time.perf_counter()
     signatures = method_signatures(static)
@@ -549,7 +379,7 @@ def _write_bundle(
     if req.backend == "onnx":  # the tables: the htp delegate calibrates activations on them
         extra = {"tables": target.tables, "activations": req.activations or "int8"}
     elif (req.backend, req.delegate) == ("executorch", "cpu"):
-        extra = {"attention": req.attention or "kernel"}
+        extra = {"kernels": req.kernels or "edgemtp"}
     lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
     stage = time.perf_counter()
     tables = write_tables(target.tables, tmp, progress)
@@ -592,7 +422,7 @@ def _write_bundle(
         "method_io": lowered.method_io,
         "quantization": {
             "scheme": scheme,
-            "int4_linears": int4_counts(target.model, *([drafter.model] if drafter else [])),
+            "int4_linears": int4_linears,
             "tables": {role: d["format"] for role, d in tables.items() if role != "file"},
         },
         "numerics": lowered.numerics,

@@ -50,7 +50,6 @@ from torch.export import ExportedProgram
 from torch.overrides import TorchFunctionMode
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.static import StaticBundle
 
 CACHE_BUFFER_PATTERN = "kvcache_"  # placeholder names of the cache buffers contain this
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -114,37 +113,6 @@ def export_method(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Export
     drop_asserts(program)
     collapse_provenance(program.graph_module)
     return program
-
-
-def export_methods(
-    bundle: StaticBundle, only: tuple[str, ...] | None = None, debug: bool = False
-) -> dict[str, ExportedProgram]:
-    """`torch.export` every method of the bundle (or those in `only`)."""
-    return {
-        name: export_method(module, inputs)
-        for name, (module, inputs) in bundle.methods(debug).items()
-        if only is None or name in only
-    }
-
-
-def layer_of(node: torch.fx.Node, prefix: str = "owner.target.layers.") -> int | None:
-    """The target layer a node was traced from (from its module stack), if any."""
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in stack.values():
-        if path.startswith(prefix):
-            return int(path[len(prefix) :].split(".")[0])
-    return None
-
-
-def ops_per_layer(program: ExportedProgram, ops: tuple[str, ...] = ("linear", "matmul")) -> Counter:
-    """Count nodes whose target name contains one of `ops`, per target layer."""
-    counts: Counter = Counter()
-    for node in program.graph.nodes:
-        if node.op == "call_function" and any(op in str(node.target) for op in ops):
-            layer = layer_of(node)
-            if layer is not None:
-                counts[layer] += 1
-    return counts
 
 
 # Edge ops (by name) that one of XNNPACK's preprocessing passes other than ConvertToLinearPass

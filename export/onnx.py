@@ -38,11 +38,10 @@ import hashlib
 import json
 import math
 import time
-import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -56,15 +55,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.bundle import Lowered, Progress
-from edgemtp.export.static import StaticBundle, StaticShapes
+from edgemtp.export.forms import ONNX
+from edgemtp.export.lowered import Lowered, Progress
+from edgemtp.export.onnx_norm import rms_norm_op
 from edgemtp.export.weights import Int4Weight, int4_of
-from edgemtp.model.gemma4 import RMSNorm, TokenTables
+from edgemtp.model.static import StaticBundle, method_io
+from edgemtp.model.tables import TokenTables
+from edgemtp.runtime.backends import StaticBackend
+from edgemtp.runtime.runners.onnx import INDEX, OnnxRunner, range_union
 
 OPSET = 21  # blockwise int4 DequantizeLinear, uint16 Q/DQ, Gelu(approximate)
 MS_DOMAIN = "com.microsoft"
 FOLDER = "onnx"  # everything this backend writes lives in out_dir/onnx
-INDEX = "methods.json"
 WEIGHTS = "weights.bin"
 ALIGN = 64  # byte alignment of every tensor in weights.bin
 INT8_ACCURACY_LEVEL = 4  # MatMulNBits: activations quantized to int8 (ONNX Runtime's levels)
@@ -354,7 +356,6 @@ class _Tracer(TorchDispatchMode):
         self.names: dict[int, str] = {}
         self.keep: list[Any] = []  # every tensor named here stays alive: ids never collide
         self.transposed: dict[str, _Weight] = {}  # value name -> the weight it transposes
-        self.scalars: dict[int, str] = {}  # .item() value -> the 1-element value it came from
         self.mutations: list[_Mutation] = []
         self.mutated: set[int] = set()
 
@@ -415,12 +416,8 @@ class _Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is aten._local_scalar_dense.default:
-            if self.traced(args[0]):
-                self.scalars[int(out)] = self.name(args[0])
-            return out
-        if func is aten.lift_fresh.default:
-            return self._lift(out)
+        if func is aten._local_scalar_dense.default and self.traced(args[0]):
+            raise NotImplementedError("ONNX export: a value read with .item() steers the graph")
         flat, _ = tree_flatten((args, kwargs))
         if not any(self.traced(t) for t in flat):
             return out  # constant: folded, its eager value is the constant
@@ -428,14 +425,6 @@ class _Tracer(TorchDispatchMode):
         if handler is None:
             raise NotImplementedError(f"ONNX export: no translation for {func}")
         handler(self, out, *args, **kwargs)
-        return out
-
-    def _lift(self, out: Tensor) -> Tensor:
-        """`torch.tensor([x.item()])` (the drafter's position): reconnect it to its source."""
-        if out.dtype == torch.int64 and out.numel() == 1 and int(out) in self.scalars:
-            source = self.scalars.pop(int(out))
-            name = self.g.node("Reshape", [source, self.shape_const(out.shape)])[0]
-            self.bind(out, name)
         return out
 
 
@@ -677,42 +666,7 @@ def _index_copy_(tr: _Tracer, out: Tensor, dst: Tensor, dim: int, index: Any, sr
     tr.mutated.add(id(dst))
 
 
-@torch.library.custom_op("edgemtp_onnx::rms_norm", mutates_args=())
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm as one op while tracing, so it becomes one ONNX node (the eager math of
-    `ExportRMSNorm`)."""
-    y = x.float()
-    y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).type_as(x)
-
-
-def _norm_forward(self: RMSNorm, x: Tensor) -> Tensor:
-    weight = self.weight if self.weight is not None else torch.ones(x.shape[-1])
-    return _rms_norm(x, weight, self.eps)
-
-
-@contextmanager
-def fused_norms(*models: nn.Module | None) -> Iterator[None]:
-    """Trace every RMSNorm of `models` as one `SimplifiedLayerNormalization` node: one fused
-    kernel on the CPU EP, QNN's RmsNorm on the HTP, and no rsqrt tensor whose range (zero pad
-    rows give 1/sqrt(eps)) would ruin its int16 scale."""
-    patched = [
-        m
-        for model in models
-        if model is not None
-        for m in model.modules()
-        if isinstance(m, RMSNorm)
-    ]
-    for m in patched:
-        m.forward = types.MethodType(_norm_forward, m)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for m in patched:
-            del m.forward
-
-
-@_on(torch.ops.edgemtp_onnx.rms_norm.default)
+@_on(rms_norm_op._opoverload)
 def _rms_norm_node(tr: _Tracer, out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
     inputs = [tr.operand(x, torch.float32), tr.operand(weight, torch.float32)]
     tr.emit("SimplifiedLayerNormalization", inputs, out, axis=-1, epsilon=eps)
@@ -865,17 +819,6 @@ def _gather_rows(tr: _Tracer, w: _Weight, idx: str, out: Tensor) -> str:
 
 # --- methods --------------------------------------------------------------------------------------
 
-_INPUTS = {
-    "target": ("embeds", "token_ple", "positions"),
-    "drafter": ("token_embed", "last_hidden", "position"),
-}
-_OUTPUTS = {
-    "prefill_intermediate": ("length",),
-    "prefill_final": ("hidden", "logits"),
-    "verify": ("logits", "hidden"),
-    "draft_step": ("hidden", "ids", "logits"),
-}
-
 
 def _cache_names(static: StaticBundle) -> dict[int, str]:
     """Buffer id -> graph input name, for every buffer of the shared cache."""
@@ -945,9 +888,7 @@ def trace_method(
     shares the 4-bit weight forms between the methods of one lowering. `weights`: MatMulNBits
     with fp32 activations ("nbits") or int8 ones ("nbits_int8"), or Q/DQ pairs ("qdq")."""
     module, example = static.methods()[name]
-    kind = "drafter" if name == "draft_step" else "target"
-    if kind == "drafter":  # a distinctive position, so its .item() is found again (see _lift)
-        example = (*example[:2], torch.tensor([static.shapes.max_context - 1]))
+    inputs, outputs = method_io(name)
     cache = _cache_names(static)
     saved = {n: b.clone() for n, b in static.cache.named_buffers()}
     graph = Graph(name)
@@ -961,32 +902,28 @@ def trace_method(
     )
     start = time.perf_counter()
     args = [t.clone() for t in example]
-    models = (static.target.target, static.drafter.drafter if static.drafter else None)
     try:
-        with torch.no_grad(), fused_norms(*models), _scopes(module, graph), tracer:
-            for input_name, t in zip(_INPUTS[kind], args, strict=True):
+        with torch.no_grad(), _scopes(module, graph), tracer:
+            for input_name, t in zip(inputs, args, strict=True):
                 tracer.input(input_name, t)
             result = module(*args)
     finally:
         for n, b in static.cache.named_buffers():
             b.copy_(saved[n])
-    if tracer.scalars:
-        raise NotImplementedError(f"{name}: a value read with .item() steers the graph")
     results = result if isinstance(result, tuple) else (result,)
-    logical = list(_OUTPUTS["verify" if name.startswith("verify_") else name])
-    for out_name, t in zip(logical, results, strict=True):
+    for out_name, t in zip(outputs, results, strict=True):
         source = tracer.operand(t)  # a constant output (e.g. ids of a dense head) is fine too
         graph.node("Identity", [source], [out_name])
         graph.typed(out_name, _ONNX_TYPE[t.dtype], t.shape)
         graph.outputs.append(out_name)
     updates = _cache_outputs(graph, tracer.mutations)
-    graph.prune(keep=set(_INPUTS[kind]))  # logical inputs stay, even unread (token_ple)
+    graph.prune(keep=set(inputs))  # logical inputs stay, even unread (token_ple)
     cache_inputs = [i for i in graph.inputs if i.startswith("cache.")]
     return MethodGraph(
         name,
         graph,
-        list(_INPUTS[kind]),
-        logical,
+        list(inputs),
+        list(outputs),
         cache_inputs,
         updates,
         time.perf_counter() - start,
@@ -1296,6 +1233,7 @@ def lower_onnx(
     if delegate == "htp" and tables is None:
         raise ValueError("delegate htp calibrates activations: pass the target's tables")
     folder = Path(out_dir) / FOLDER
+    static.use_form(ONNX)
     for module in (static.target, static.drafter):
         if module is not None:
             module.eval().requires_grad_(False)
@@ -1372,6 +1310,18 @@ def _range_keys(m: MethodGraph) -> dict[str, str]:
     return keys
 
 
+class _RepeatedDrafts(StaticBackend):
+    """A bundle without a drafter whose rounds still verify k rows: each draft repeats the
+    last token (calibration only sees the verify methods' values)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.has_drafter = True
+
+    def draft_step(self, token: int, hidden: Tensor, position: int) -> tuple[Tensor, ...]:
+        return hidden, torch.tensor([token]), torch.zeros(1)
+
+
 def calibrate(
     methods: list[MethodGraph],
     folder: Path,
@@ -1382,7 +1332,6 @@ def calibrate(
     """Min/max of every float activation and input over greedy decoding of `prompt` (AR and
     every draft depth) on the CPU EP, with the float-activation graphs (the same
     DequantizeLinear weights), pooled by `_range_keys` across methods."""
-    from edgemtp.runtime.backends import StaticBackend
     from edgemtp.runtime.generate import FixedDepth, decode
 
     shapes = static.shapes
@@ -1398,14 +1347,10 @@ def calibrate(
             n = min(4 * shapes.chunk + 3, shapes.max_context // 2)
             prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
         budget = max(1, min(16, shapes.max_context - len(prompt) - shapes.max_draft - 1))
-        backend = StaticBackend(runner, tables, static.target.target.cfg)
+        cfg = static.target.target.cfg
+        backend = StaticBackend(runner, tables, cfg)
         if not backend.has_drafter:  # verify_k still needs k drafts: repeat the token
-            backend.has_drafter = True
-            backend.draft_step = lambda token, hidden, position: (  # type: ignore[method-assign]
-                hidden,
-                torch.tensor([token]),
-                torch.zeros(1),
-            )
+            backend = _RepeatedDrafts(runner, tables, cfg)
         for depth in shapes.verify_depths():
             backend.truncate(0)
             decode(backend, prompt, budget, policy=FixedDepth(depth))
@@ -1417,176 +1362,5 @@ def calibrate(
         keys = _range_keys(m)
         for value, seen in runner.ranges.get(m.name, {}).items():
             key = keys.get(value, value)
-            ranges[key] = _union(ranges.get(key), seen)
+            ranges[key] = range_union(ranges.get(key), seen)
     return ranges
-
-
-def _union(a: tuple[float, float] | None, b: tuple[float, float]) -> tuple[float, float]:
-    return b if a is None else (min(a[0], b[0]), max(a[1], b[1]))
-
-
-# --- running --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Method:
-    session: Any
-    binding: Any
-    spec: dict[str, Any]
-    scratch: dict[str, np.ndarray]  # the cache-update outputs of the last call
-    inputs: dict[str, np.ndarray]  # bound once; each call copies its inputs in
-    outputs: dict[str, np.ndarray]  # bound once; each call returns copies
-    observe: dict[str, list[int]] = field(default_factory=dict)  # calibration: name -> shape
-
-
-@contextmanager
-def flush_denormals() -> Iterator[None]:
-    """Denormal floats read and written as zero on this thread for the duration (x86 FTZ/DAZ,
-    which ONNX Runtime's kernels then run under). A softmax over peaked scores (Gemma 4's
-    attention at head dim 256-512) leaves probabilities below 1e-38, and the matmul after it
-    runs them at a small fraction of its speed: 15 % of an E2B x0.25 prefill chunk here, 12x on
-    one attention of head dim 512. Their contribution (< 1e-38 each) is lost either way."""
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
-
-
-class OnnxRunner:
-    """Runs the methods of an ONNX bundle folder (out_dir/onnx) with ONNX Runtime.
-
-    The cache is one numpy array per cache buffer, wrapped once in an `OrtValue` and bound to
-    every method reading it (target and drafter bind the same objects: no copies); after each
-    call the runner writes the call's new rows into those arrays. `threads`: ORT intra-op
-    threads per session (1 suits a shared 2-core host). `provider` overrides the bundle's
-    delegate, e.g. "cpu" to check an htp (QDQ) bundle on the CPU EP. `observe` (calibration)
-    also fetches the named values and keeps their min/max in `ranges`.
-    """
-
-    def __init__(
-        self,
-        folder: Path,
-        shapes: StaticShapes,
-        *,
-        provider: str | None = None,
-        threads: int = 1,
-        observe: dict[str, list[str]] | None = None,
-    ):
-        import onnxruntime as ort
-
-        self.folder = Path(folder)
-        self.shapes = shapes
-        self.index = json.loads((self.folder / INDEX).read_text())
-        delegate = self.index["delegate"]
-        provider = provider or delegate
-        providers: list[Any]
-        if provider == "htp":
-            if "QNNExecutionProvider" not in ort.get_available_providers():
-                raise EdgeMTPError(
-                    "this ONNX bundle targets the Qualcomm HTP: it runs with ONNX Runtime's QNN "
-                    "EP (pip install onnxruntime-qnn) on a Snapdragon device or Windows-on-Arm "
-                    "host; the installed onnxruntime has no QNNExecutionProvider"
-                )
-            qnn = ("QNNExecutionProvider", {"backend_path": _qnn_backend()})
-            providers = [qnn, "CPUExecutionProvider"]
-        elif provider == "cpu":
-            providers = ["CPUExecutionProvider"]
-        else:
-            raise EdgeMTPError(f"unknown provider '{provider}' (choose cpu or htp)")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.set_denormal_as_zero", "1")  # worker threads
-        for key, value in self.index["session_config"].items():
-            options.add_session_config_entry(key, value)
-        self.arrays: dict[str, np.ndarray] = {}
-        self.values: dict[str, Any] = {}
-        for name, spec in self.index["cache"].items():
-            arr = np.full(spec["shape"], spec["fill"], dtype=spec["dtype"])
-            self.arrays[name] = arr
-            self.values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
-        self.methods: dict[str, _Method] = {}
-        self._keep: list[Any] = []
-        observe = observe or {}
-        for name, spec in sorted(self.index["methods"].items()):
-            session = ort.InferenceSession(
-                str(self.folder / spec["file"]), options, providers=providers
-            )
-            binding = session.io_binding()
-            for cache_name in spec["cache_inputs"]:
-                binding.bind_ortvalue_input(cache_name, self.values[cache_name])
-            # Every buffer is bound once: rebinding fresh arrays on each call cost ONNX Runtime
-            # 0.3-0.6 ms per call here, a sixth of a decode step of the embedded demo.
-            bound: dict[str, dict[str, np.ndarray]] = {}
-            for kind in ("inputs", "outputs", "cache_outputs"):
-                bound[kind] = {io["name"]: np.empty(io["shape"], io["dtype"]) for io in spec[kind]}
-                for io_name, arr in bound[kind].items():
-                    value = ort.OrtValue.ortvalue_from_numpy(arr)
-                    if kind == "inputs":
-                        binding.bind_ortvalue_input(io_name, value)
-                    else:
-                        binding.bind_ortvalue_output(io_name, value)
-                    self._keep.append(value)
-            shapes_of = {o.name: o.shape for o in session.get_outputs()}
-            watched = {v: shapes_of[v] for v in observe.get(name, [])}
-            self.methods[name] = _Method(
-                session, binding, spec, bound["cache_outputs"], bound["inputs"],
-                bound["outputs"], watched,
-            )  # fmt: skip
-        self.ranges: dict[str, dict[str, tuple[float, float]]] = {}
-        self.bytes_copied = 0  # cache rows (and slot positions) written back on the host
-        self._ort = ort
-
-    def cache_value(self, method: str, name: str) -> Any:
-        """The OrtValue `method` reads as cache input `name` (for identity checks)."""
-        if name not in self.methods[method].spec["cache_inputs"]:
-            raise KeyError(f"{method} does not read {name}")
-        return self.values[name]
-
-    def call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
-        ort = self._ort
-        m = self.methods[method]
-        spec = m.spec
-        for io, x in zip(spec["inputs"], inputs, strict=True):
-            into = m.inputs[io["name"]]
-            if tuple(x.shape) != into.shape:
-                raise ValueError(f"{method}: input {io['name']} has shape {tuple(x.shape)}, "
-                                 f"the bundle's is {into.shape}")  # fmt: skip
-            np.copyto(into, x.detach().numpy(), casting="unsafe")
-        watched = {name: np.empty(shape, np.float32) for name, shape in m.observe.items()}
-        for name, arr in watched.items():
-            m.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arr))
-        with flush_denormals():
-            m.session.run_with_iobinding(m.binding)
-        if m.observe:  # before the cache update: the cache as this call read it
-            self._record(method, m, list(m.inputs.values()), watched)
-        done = m.scratch
-        for u in spec["updates"]:
-            self.bytes_copied += done[u["output"]].nbytes
-            if u["kind"] == "copy":
-                self.arrays[u["cache"]][...] = done[u["output"]]
-            elif u["kind"] == "rows":
-                self.arrays[u["cache"]][:, done[u["slots"]]] = done[u["output"]]
-        return tuple(torch.from_numpy(m.outputs[io["name"]].copy()) for io in spec["outputs"])
-
-    def _record(
-        self, method: str, m: _Method, inputs: list[np.ndarray], watched: dict[str, np.ndarray]
-    ) -> None:
-        """Calibration: widen the min/max of the observed values, float inputs and cache."""
-        seen = self.ranges.setdefault(method, {})
-        arrays = dict(watched)
-        for io, arr in zip(m.spec["inputs"], inputs, strict=True):
-            if arr.dtype == np.float32:
-                arrays[io["name"]] = arr
-        for name in m.spec["cache_inputs"]:
-            if self.arrays[name].dtype == np.float32:
-                arrays[name] = self.arrays[name]
-        for name, arr in arrays.items():
-            seen[name] = _union(seen.get(name), (float(arr.min()), float(arr.max())))
-
-
-def _qnn_backend() -> str:
-    import sys
-
-    return "QnnHtp.dll" if sys.platform == "win32" else "libQnnHtp.so"

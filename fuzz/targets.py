@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.bundle import read_manifest, verify_files
 from edgemtp.model.checkpoint import TensorSource
 from edgemtp.model.config import parse_assistant_config, parse_text_config, read_config_json
 from edgemtp.model.safetensors_file import SafetensorsFile
 from edgemtp.quantize.gguf_import import GGUFSource
 from edgemtp.quantize.w4a16 import parse_quantization_config
+from edgemtp.runtime.bundle import read_manifest, verify_files
 from edgemtp.runtime.tokenizer import load_tokenizer
 
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None

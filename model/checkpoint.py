@@ -23,10 +23,11 @@ from edgemtp.model.config import (
     check_drafter_matches,
     parse_assistant_config,
     parse_text_config,
-    read_config_json,
 )
-from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target, Rows, TokenTables, register_rope
+from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target, register_rope
+from edgemtp.model.primitives import REFERENCE_FORM, Form, apply_form
 from edgemtp.model.safetensors_file import SafetensorsFile
+from edgemtp.model.tables import Rows, TokenTables
 
 # Multimodal checkpoints keep the language model here and these towers beside it.
 _MULTIMODAL_TEXT_PREFIX = "model.language_model."
@@ -44,7 +45,7 @@ class TensorSource:
     """The tensors of one checkpoint, by Hugging Face name.
 
     This class reads plain safetensors folders (single file or sharded, memory-mapped); GGUF files
-    and quantized layouts subclass it in `edgemtp.quantize`.
+    and quantized layouts subclass it in `edgemtp.quantize` (`quantize/load.py` opens any).
     """
 
     def __init__(self, path: Path, config: dict[str, Any]):
@@ -110,21 +111,6 @@ class TensorSource:
     def table(self, name: str) -> Rows:
         """A host-side lookup table: rows are gathered (and dequantized) only when looked up."""
         return self.raw(name)
-
-
-def open_checkpoint(path: Path) -> TensorSource:
-    """A Hugging Face folder (float, compressed-tensors or edgemtp-quantized) or a GGUF file."""
-    path = Path(path)
-    if path.suffix == ".gguf":
-        from edgemtp.quantize.gguf_import import GGUFSource
-
-        return GGUFSource(path)
-    config = read_config_json(path)
-    if "quantization_config" in config or "edgemtp_quantization" in config:
-        from edgemtp.quantize.checkpoint import QuantizedSource
-
-        return QuantizedSource(path, config)
-    return TensorSource(path, config)
 
 
 def _text_prefix(names: list[str]) -> str:
@@ -199,10 +185,17 @@ class Target:
     tables: TokenTables
     source: TensorSource
     names: dict[str, str]  # state-dict key of `model` -> the checkpoint tensor it was loaded from
+    form: Form = REFERENCE_FORM  # what the model's weights compute as (`use_form`)
 
     @property
     def path(self) -> Path:
         return self.source.path
+
+    def use_form(self, form: Form) -> dict[str, Any]:
+        """Convert the model's weights to `form` (in place): the reference engine then computes
+        what that backend form's programs compute."""
+        self.form = form
+        return apply_form([self.model], form)
 
 
 @dataclass
@@ -211,6 +204,11 @@ class Drafter:
     model: Gemma4Drafter
     source: TensorSource
     names: dict[str, str]  # state-dict key of `model` -> the checkpoint tensor it was loaded from
+    form: Form = REFERENCE_FORM
+
+    def use_form(self, form: Form) -> dict[str, Any]:
+        self.form = form
+        return apply_form([self.model], form)
 
 
 def target_config(raw: dict[str, Any], where: str) -> TextConfig:
@@ -229,8 +227,8 @@ def target_config(raw: dict[str, Any], where: str) -> TextConfig:
     )
 
 
-def load_target(path: Path, dtype: torch.dtype = torch.float32) -> Target:
-    source = open_checkpoint(path)
+def target_from_source(source: TensorSource, dtype: torch.dtype = torch.float32) -> Target:
+    """The target of an opened checkpoint (`quantize.load.load_target` opens any kind)."""
     cfg = target_config(source.config, str(source.path))
     prefix = _text_prefix(source.names())
     with torch.device("meta"):
@@ -262,8 +260,10 @@ def drafter_config(raw: dict[str, Any], where: str) -> AssistantConfig:
     return parse_assistant_config(raw, where)
 
 
-def load_drafter(path: Path, target: TextConfig, dtype: torch.dtype = torch.float32) -> Drafter:
-    source = open_checkpoint(path)
+def drafter_from_source(
+    source: TensorSource, target: TextConfig, dtype: torch.dtype = torch.float32
+) -> Drafter:
+    """The assistant of an opened checkpoint, checked against its target's config."""
     cfg = drafter_config(source.config, str(source.path))
     check_drafter_matches(target, cfg)
     with torch.device("meta"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgemtp.model.config import AssistantConfig, LayerSpec, TextConfig
+from edgemtp.model.forward import prefill_chunks
 
 
 def attended(spec: LayerSpec, cfg: TextConfig, position: int) -> int:
@@ -54,9 +55,9 @@ def attention_flops(
 def prefill_flops(cfg: TextConfig, length: int, chunk: int, prune: bool) -> float:
     """FLOPs of a chunked prefill of `length` tokens (LM head on the last row only)."""
     total = 0.0
-    for start in range(0, length, chunk):
-        rows = range(start, min(start + chunk, length))
-        last = rows.stop == length
+    for start, end in prefill_chunks(length, chunk):
+        rows = range(start, end)
+        last = end == length
         for spec in cfg.layers:
             if prune and spec.index >= cfg.first_shared_layer:
                 if not last:

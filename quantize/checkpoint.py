@@ -31,9 +31,10 @@ import torch
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.files import staged_folder
-from edgemtp.model.checkpoint import TensorSource, open_checkpoint
-from edgemtp.model.gemma4 import Rows
+from edgemtp.model.checkpoint import TensorSource
+from edgemtp.model.config import read_config_json
 from edgemtp.model.safetensors_file import TensorEntry, write_tensors
+from edgemtp.model.tables import Rows
 from edgemtp.quantize.q4_0 import (
     BLOCK,
     BLOCK_BYTES,
@@ -80,6 +81,11 @@ def is_linear(name: str, shape: tuple[int, ...]) -> bool:
 
 
 # --- reading -----------------------------------------------------------------------------------
+
+
+def stores_quantized(config: dict[str, Any]) -> bool:
+    """Whether a config.json describes a quantized checkpoint (edgemtp's or compressed-tensors')."""
+    return "quantization_config" in config or "edgemtp_quantization" in config
 
 
 class QuantizedSource(TensorSource):
@@ -286,12 +292,13 @@ def quantize_checkpoint(
     out = Path(out)
     if out.exists() and not (overwrite and (out / "config.json").is_file()):
         raise EdgeMTPError(f"{out} already exists; choose a new folder or pass --force")
-    source = open_checkpoint(model)
-    if type(source) is not TensorSource:
+    config = None if Path(model).suffix == ".gguf" else read_config_json(Path(model))
+    if config is None or stores_quantized(config):
         raise EdgeMTPError(
             f"{model} is already quantized; quantize the float checkpoint (pre-quantized weights "
             "are imported as they are, never re-quantized)"
         )
+    source = TensorSource(Path(model), config)
     t0 = time.perf_counter()
     plan = []
     for name in source.names():

@@ -38,7 +38,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from edgemtp.errors import EdgeMTPError
 from edgemtp.model.checkpoint import TensorSource
 from edgemtp.model.config import TextConfig, parse_text_config
-from edgemtp.model.gemma4 import Gemma4Target, Rows
+from edgemtp.model.gemma4 import Gemma4Target
+from edgemtp.model.tables import Rows
 from edgemtp.quantize.q4_0 import Q4_0, dequantize_q4_0, unpack_q4_0
 from edgemtp.quantize.tables import BlockRows, Q4_0Rows
 

@@ -23,7 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
+from edgemtp.model.cache import KVCache
 from edgemtp.model.checkpoint import Target
+from edgemtp.model.forward import prefill
 from edgemtp.quantize.w4a16 import (
     _SCALE_DTYPES,
     QMAX,
@@ -33,9 +35,6 @@ from edgemtp.quantize.w4a16 import (
     _compute_dtype,
     quantize_w4a16,
 )
-from edgemtp.runtime.backends import PREFILL_CHUNK as DEFAULT_PREFILL_CHUNK
-from edgemtp.runtime.backends import prefill
-from edgemtp.runtime.kv_cache import KVCache
 
 _LM_HEAD = "lm_head"
 _DAMP_RETRIES = 4  # Cholesky failures: retry with 10x the dampening this many times
@@ -51,12 +50,12 @@ def collect_hessians(
     progress: Callable[[str], None] | None = None,
     *,
     dtype: torch.dtype = torch.float32,
-    chunk: int = DEFAULT_PREFILL_CHUNK,
+    chunk: int = 512,
 ) -> dict[str, Tensor]:
     """H = 2/N Σ x xᵀ [in, in] for each nn.Linear of the float target, over calibration text.
 
     Every sequence is prefilled (unpruned: every layer sees every row) with a fresh KV cache by
-    the runtime's `prefill`; forward pre-hooks sum xᵀx of each layer's inputs. Keys are module
+    the reference `prefill`; forward pre-hooks sum xᵀx of each layer's inputs. Keys are module
     names in `target.model.named_modules()` (e.g. "layers.0.self_attn.q_proj", "lm_head"); `names`
     restricts the layers (default: every nn.Linear), which bounds memory to one [in, in] matrix
     per chosen layer (collect the big ones in several passes if needed). KV-shared layers have no
@@ -100,7 +99,8 @@ def collect_hessians(
         with torch.no_grad():
             for i, seq in enumerate(sequences):
                 cache = KVCache(target.cfg, len(seq))
-                prefill(target, cache, torch.tensor(seq, dtype=torch.long), chunk, prune=False)
+                ids = torch.tensor(seq, dtype=torch.long)
+                prefill(target, cache, ids, chunk, prune=False)
                 if progress is not None:
                     progress(f"calibration sequence {i + 1}/{len(sequences)}: {len(seq)} tokens")
     finally:

@@ -164,18 +164,6 @@ def unnibble_q4_0(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(rows, half * 2)
 
 
-def q4_0_as_int4_groups(q: Q4_0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same weights as symmetric int4, group size 32: `(values, scales)`.
-
-    `values` is int8 in [-8, 7] of shape [rows, cols] (`code - 8`), `scales` float32
-    [rows, cols // 32] (the fp16 scales widened, so possibly negative, like GGML's). Dequantizing
-    `values * scales` per group gives exactly the floats of `dequantize_q4_0` (both products are
-    exact), so backends (torchao 8da4w, ONNX MatMulNBits with zero point 8) compute with the very
-    same weights. A 1-D tensor comes back as one row.
-    """
-    return q.codes.to(torch.int8) - 8, q.scales.to(torch.float32)
-
-
 def _float32(w: torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(w, torch.Tensor):
         return w.detach().to("cpu", torch.float32).contiguous().numpy()

@@ -7,19 +7,50 @@ resident memory grows with the rows a prompt touches, not with the table.
 from __future__ import annotations
 
 import ctypes
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from edgemtp.errors import EdgeMTPError
+from edgemtp.native import compiled
 from edgemtp.quantize.q4_0 import BLOCK, BLOCK_BYTES, dequantize_q4_0_rows
-from edgemtp.runtime.kernels import table_rows
+
+TABLE_ROWS_SOURCE = Path(__file__).with_name("table_rows.cpp")
+
+
+@cache
+def table_rows() -> ctypes.CDLL | None:
+    """The table-row library (`table_rows.cpp`) loaded, or None where it cannot be built (no
+    compiler): the lookups then run in numpy, to the same values."""
+    try:
+        path = compiled(
+            "libedgemtp_table_rows.so", (TABLE_ROWS_SOURCE,), (), (str(TABLE_ROWS_SOURCE),)
+        )
+        library = ctypes.CDLL(str(path))
+    except (EdgeMTPError, OSError):
+        return None
+    for name in ("edgemtp_q4_0_rows", "edgemtp_q8_0_rows"):
+        function = getattr(library, name)
+        function.argtypes = [
+            ctypes.c_void_p,  # table
+            ctypes.c_int64,  # its rows
+            ctypes.c_void_p,  # ids (int64)
+            ctypes.c_int64,  # how many
+            ctypes.c_int64,  # columns
+            ctypes.c_float,  # scale
+            ctypes.c_void_p,  # out (float32 [n, columns])
+        ]
+        function.restype = ctypes.c_int64
+    return library
 
 
 class BlockRows:
     """A table of GGML blocks, one row of `cols // 32` blocks per table row (Q4_0, Q8_0).
 
-    A lookup is one call of `table_rows.cpp` (runtime/kernels) where it could be built, which
+    A lookup is one call of `table_rows.cpp` (beside this file) where it could be built, which
     dequantizes and scales the rows straight into the result; numpy's same arithmetic
     otherwise (`dequantize`)."""
 
@@ -101,6 +132,10 @@ class Int8Rows:
 
     def __getitem__(self, ids: Tensor | list[int]) -> Tensor:
         return self.values[ids].float() * self.scales[ids].float()[:, None]
+
+    def scaled(self, ids: Tensor | list[int], scale: float, out: Tensor | None = None) -> Tensor:
+        rows = self[ids] * scale
+        return rows if out is None else out.copy_(rows.view_as(out))
 
 
 def quantize_int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:

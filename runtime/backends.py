@@ -20,20 +20,19 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from edgemtp.errors import EdgeMTPError
+from edgemtp.model.cache import KVCache, RingTracker, cache_slots
 from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.model.config import TextConfig
-from edgemtp.model.gemma4 import TokenTables, prompt_chunk
-from edgemtp.runtime.kv_cache import KVCache, ring_size
-
-if TYPE_CHECKING:
-    from edgemtp.export.static import StaticShapes
+from edgemtp.model.forward import forward_rows, prefill, prefill_chunks
+from edgemtp.model.static import StaticShapes
+from edgemtp.model.tables import TokenTables
 
 PREFILL_CHUNK = 512  # reference prefill rows per forward
 DEFAULT_CONTEXT = 4096  # reference cache size when none is given (export's default too)
@@ -97,77 +96,6 @@ class Backend(Protocol):
     def verify_shape(self, depth: int) -> str: ...
 
 
-class RingTracker:
-    """Knows which positions a ring cache still holds after a rollback.
-
-    A sliding ring of `slots` keeps position p until p + slots is written. A query at `length`
-    needs the window (and the drafter one more) before it, so truncating to `length` keeps the
-    cache usable only while nothing at or past oldest-needed + slots has been written; otherwise
-    the caller must prefill again.
-    """
-
-    def __init__(self, slots: dict[str, int], window: int):
-        self.slots = slots
-        self.window = window
-        self.written_end = 0  # one past the highest position written since the last reset
-
-    def wrote(self, end: int) -> None:
-        self.written_end = max(self.written_end, end)
-
-    def keeps(self, length: int) -> bool:
-        oldest_needed = max(0, length - self.window - 1)
-        return all(oldest_needed + n >= self.written_end for n in self.slots.values())
-
-    def truncated(self, length: int) -> bool:
-        """Record a truncation to `length`; True when the cache still holds [0, length)."""
-        keeps = self.keeps(length)
-        self.written_end = length if keeps else 0
-        return keeps
-
-
-def forward_rows(
-    target: Target, cache: KVCache, ids: Tensor, rows: str, meter: Meter | None = None
-) -> Tensor | None:
-    """`ids` at the cache's length through the target (`rows`: which rows go through the
-    KV-shared layers: "all", "last" or "none"), their K/V written; returns the hidden rows."""
-    meter = meter or Meter()
-    model, tables = target.model, target.tables
-    with meter.phase("embed"):
-        embeds, ple = tables.embed(ids), tables.per_layer_inputs(ids)
-    with meter.phase("target"):
-        positions = torch.arange(cache.length, cache.length + ids.shape[0])
-        hidden, new_kv = model(embeds, ple, positions, cache, rows)
-        cache.write(new_kv, int(positions[0]))
-    meter.bytes_moved += sum(tensor_bytes(k, v) for k, v in new_kv.values())
-    return hidden
-
-
-def prefill(
-    target: Target,
-    cache: KVCache,
-    ids: Tensor,
-    chunk: int = PREFILL_CHUNK,
-    prune: bool = True,
-    meter: Meter | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Run the prompt through the target in chunks after what `cache` holds; returns (last
-    hidden [hidden], last logits).
-
-    Pruned: intermediate chunks skip the KV-shared layers (they write no cache), the final chunk
-    sends only its last row through them.
-    """
-    meter = meter or Meter()
-    hidden = None
-    n = ids.shape[0]
-    with prompt_chunk():
-        for i in range(0, n, chunk):
-            rows = ("last" if i + chunk >= n else "none") if prune else "all"
-            hidden = forward_rows(target, cache, ids[i : i + chunk], rows, meter)
-        assert hidden is not None
-        with meter.phase("target"):
-            return hidden[-1], target.model.logits(hidden[-1])
-
-
 class ReferenceBackend:
     """The PyTorch model over `KVCache`: pruned chunked prefill, verify, draft."""
 
@@ -183,6 +111,8 @@ class ReferenceBackend:
         prefill_chunk: int = PREFILL_CHUNK,
         prune: bool = True,
     ):
+        """The engine computes in the target's form (`Target.use_form`): the reference's
+        numerics, or a backend form's."""
         cfg = target.cfg
         self.target, self.drafter = target, drafter
         self.max_context = min(max_context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
@@ -190,7 +120,8 @@ class ReferenceBackend:
         self.has_drafter = drafter is not None
         self.vocab_size = cfg.vocab_size
         self.chunk, self.prune = prefill_chunk, prune
-        self.cache = KVCache.for_model(target.model, cfg, self.max_context, self.max_draft)
+        self.form = target.form
+        self.cache = KVCache(cfg, self.max_context, self.max_draft, self.form.cache_dtype)
         self.rings = RingTracker(self.cache.slots, cfg.sliding_window)
         self.meter = Meter()
 
@@ -200,17 +131,21 @@ class ReferenceBackend:
                 f"cache holds {self.cache.length} positions, prefill starts at {start}"
             )
         hidden, logits = prefill(
-            self.target, self.cache, torch.tensor(ids), self.chunk, self.prune, self.meter
-        )
+            self.target, self.cache, torch.tensor(ids), self.chunk, self.prune,
+            self.form.chunk, self.meter,
+        )  # fmt: skip
+        self.meter.bytes_moved += len(ids) * self.cache.row_bytes()  # the K/V rows written
         self.rings.wrote(start + len(ids))
         return hidden, logits
 
     def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]:
-        hidden = forward_rows(self.target, self.cache, torch.tensor(ids), "all", self.meter)
+        ops = self.form.step
+        hidden = forward_rows(self.target, self.cache, torch.tensor(ids), "all", ops, self.meter)
         assert hidden is not None
+        self.meter.bytes_moved += len(ids) * self.cache.row_bytes()
         self.rings.wrote(position + len(ids))
         with self.meter.phase("target"):
-            logits = self.target.model.logits(hidden)
+            logits = self.target.model.logits(hidden, ops)
         return logits, hidden
 
     def draft_step(
@@ -220,7 +155,7 @@ class ReferenceBackend:
         with self.meter.phase("embed"):
             embed = self.target.tables.embed(torch.tensor([token]))[0]
         with self.meter.phase("drafter"):
-            return self.drafter.model(embed, hidden, position, self.cache)
+            return self.drafter.model(embed, hidden, position, self.cache, self.form.step)
 
     def truncate(self, length: int) -> bool:
         keeps = self.rings.truncated(length)
@@ -277,8 +212,7 @@ class StaticBackend:
         self.calls: dict[str, int] = {}
         self._io_bytes: dict[str, int] = {}
         self._row_inputs: dict[int, _RowInputs] = {}
-        ring = min(shapes.max_context, ring_size(cfg.sliding_window, shapes.max_draft))
-        slots = {k: shapes.max_context if k == "full" else ring for k in set(cfg.layer_types)}
+        slots = cache_slots(cfg, shapes.max_context, shapes.max_draft)
         self.rings = RingTracker(slots, cfg.sliding_window)
 
     def _call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
@@ -342,22 +276,17 @@ class StaticBackend:
         if n == 0:
             raise EdgeMTPError("nothing to prefill: the prompt is empty")
         self._check_fits(start + n)
-        last_start = (n - 1) // c * c
-        for i in range(0, last_start, c):
-            method = self._prefill_method(False, start + i + c)
-            self._call(method, *self._padded(ids[i : i + c], start + i, c))
+        chunks = prefill_chunks(n, c)
+        for first, end in chunks[:-1]:
+            method = self.shapes.prefill_method(False, start + end)
+            self._call(method, *self._padded(ids[first:end], start + first, c))
+        first, end = chunks[-1]
         hidden, logits = self._call(
-            self._prefill_method(True, start + n),
-            *self._padded(ids[last_start:], start + last_start, c),
+            self.shapes.prefill_method(True, start + end),
+            *self._padded(ids[first:end], start + first, c),
         )
         self.rings.wrote(start + n)
         return hidden, logits
-
-    def _prefill_method(self, final: bool, end: int) -> str:
-        """The smallest context bucket's prefill method the program has (bundles exported
-        before prefill had buckets have the whole-cache ones only)."""
-        method = self.shapes.prefill_method(final, end)
-        return method if method in self.runner.methods else method.split("_ctx")[0]
 
     def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]:
         """Logits and hidden states of `ids` at `position`.., through the smallest verify

@@ -26,7 +26,7 @@ import json
 import os
 import random
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,10 +35,10 @@ import torch
 from torch import Tensor
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.static import StaticShapes, auto_context_buckets, bucketed
 from edgemtp.files import staged_folder
+from edgemtp.model.cache import ring_size
+from edgemtp.model.static import StaticShapes, auto_context_buckets, bucketed
 from edgemtp.runtime.backends import Meter, Runner, StaticBackend
-from edgemtp.runtime.kv_cache import ring_size
 from edgemtp.runtime.sampling import argmax_rows
 from edgemtp.runtime.session import Session
 
@@ -439,7 +439,7 @@ def record_vectors(
 ) -> dict[str, Any]:
     """Greedy generations over `bundle` for every (prompt, depth), plus one whose stop token
     comes mid-round, as the vectors document (see `FIELDS`)."""
-    from edgemtp.export.bundle import MANIFEST, read_manifest
+    from edgemtp.runtime.bundle import MANIFEST, read_manifest
 
     say = progress or (lambda _: None)
     bundle = Path(bundle)
@@ -787,16 +787,13 @@ def python_methods(shapes: StaticShapes, has_drafter: bool) -> list[str]:
     return sorted(names)
 
 
-def python_round(
-    shapes: StaticShapes, has_drafter: bool, depth: int, end: int, methods: Collection[str]
-) -> dict[str, Any]:
+def python_round(shapes: StaticShapes, has_drafter: bool, depth: int, end: int) -> dict[str, Any]:
     """What the Python side does for a round of `depth` drafts ending at `end` (and for a
-    prompt ending there: its last prefill chunk's method, bucketed where `methods` has it), in
-    the form manifest_test prints; "error" when it cannot run such a round."""
+    prompt ending there: its last prefill chunk's method), in the form manifest_test prints;
+    "error" when it cannot run such a round."""
     if not depth + 1 <= end <= shapes.max_context:  # StaticBackend: "context full"
         return {"depth": depth, "end": end, "error": True}
     prefill = shapes.prefill_method(True, end)
-    prefill = prefill if prefill in methods else "prefill_final"
     try:
         method, pad = shapes.verify_method(depth, end)
     except ValueError:  # deeper than every verify method
@@ -868,8 +865,7 @@ def manifest_mismatches(
     if asked != wanted:
         problems.append(f"rounds: core {asked}, Python {wanted}")
     for row in rounds:
-        want = python_round(shapes, drafter is not None, row["depth"], row["end"],
-                            manifest["methods"])  # fmt: skip
+        want = python_round(shapes, drafter is not None, row["depth"], row["end"])
         got = {**row, "error": True} if "error" in row else row
         if got != want:
             problems.append(f"round {row['depth']}:{row['end']}: core {row}, Python {want}")

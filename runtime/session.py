@@ -30,7 +30,7 @@ from edgemtp.runtime.sampling import SamplingParams
 from edgemtp.runtime.tokenizer import PromptTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from edgemtp.export.static import StaticShapes
+    from edgemtp.model.static import StaticShapes
 
 
 @dataclass
@@ -63,10 +63,15 @@ class Session:
         checks every file against its SHA-256 in the manifest first; `weight_cache=False`
         leaves ExecuTorch's XNNPACK weight cache off (each method packs its own weights: for
         comparisons only)."""
-        from edgemtp.devices.capabilities import require
-        from edgemtp.export.bundle import SCHEMA_VERSION, open_tables, read_manifest, verify_files
-        from edgemtp.export.static import StaticShapes
         from edgemtp.model.checkpoint import target_config
+        from edgemtp.model.static import StaticShapes
+        from edgemtp.runtime.bundle import (
+            SCHEMA_VERSION,
+            open_tables,
+            read_manifest,
+            verify_files,
+        )
+        from edgemtp.runtime.capabilities import require
 
         bundle = Path(bundle)
         if not bundle.is_dir():
@@ -111,7 +116,7 @@ class Session:
         prune: bool = True,
     ) -> Session:
         """The reference engine over a checkpoint folder (and its MTP assistant)."""
-        from edgemtp.model.checkpoint import load_drafter, load_target
+        from edgemtp.quantize.load import load_drafter, load_target
 
         target = load_target(Path(model))
         helper = load_drafter(Path(drafter), target.cfg) if drafter else None
@@ -260,15 +265,16 @@ def open_runner(
 ) -> Runner:
     """The runner that executes a bundle's methods with its backend's runtime."""
     if backend == "executorch":
-        from edgemtp.export.driver import ExecuTorchRunner
+        from edgemtp.runtime.runners.executorch import ExecuTorchRunner
 
         return ExecuTorchRunner(program, shapes, threads=threads, weight_cache=weight_cache)
     if backend == "onnx":
-        from edgemtp.export.onnx import OnnxRunner
+        from edgemtp.runtime.runners.onnx import OnnxRunner
 
         return OnnxRunner(program, shapes, provider=delegate, threads=threads or 1)
     if backend == "coreml":
-        from edgemtp.export.coreml import CoreMLRunner, delegate_compute_units
+        from edgemtp.runtime.capabilities import coreml_compute_units
+        from edgemtp.runtime.runners.coreml import CoreMLRunner
 
-        return CoreMLRunner(program, shapes, delegate_compute_units(delegate))
+        return CoreMLRunner(program, shapes, coreml_compute_units(delegate))
     raise EdgeMTPError(f"unknown backend '{backend}' in the manifest; export the bundle again")

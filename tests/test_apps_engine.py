@@ -8,7 +8,7 @@
   manifest are refused with one line naming the file and the fix.
 - Engine: `engine_run` (built only where ExecuTorch's C++ runtime is: the executorch wheel's
   CMake package) runs the Engine over the embedded demo pair's ExecuTorch bundle
-  (runtime.demo's cached bundle). Greedy tokens, stop reasons and each round's drafted/accepted
+  (cli.demo's cached bundle). Greedy tokens, stop reasons and each round's drafted/accepted
   counts must equal `Session.from_bundle(...).generate` at depths 0-3; adaptive depth (whose
   choices follow timing) must give the tokens greedy decoding gives; the text must be the
   Python tokenizer's decode of the tokens, and the text streamed piece by piece the same; a
@@ -39,11 +39,12 @@ import numpy as np
 import pytest
 import torch
 
-from edgemtp.export.bundle import open_tables, write_tables
-from edgemtp.model.gemma4 import TokenTables
+from edgemtp.export.bundle import write_tables
+from edgemtp.model.tables import TokenTables
 from edgemtp.quantize.gguf_import import Q8_0Rows
 from edgemtp.quantize.q4_0 import pack_q4_0, quantize_q4_0
 from edgemtp.quantize.tables import Int8Rows, Q4_0Rows, quantize_int8_rows
+from edgemtp.runtime.bundle import open_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "apps" / "core"
@@ -273,7 +274,7 @@ def session(demo_bundle):
 
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
-    from edgemtp.runtime.demo import PROMPTS
+    from edgemtp.model.embedded import PROMPTS
 
     texts = json.loads(PROMPTS.read_text())
     return [texts[0], texts[1]]  # 93 tokens (two prefill chunks, decodes past the ring), 46
@@ -481,7 +482,7 @@ def _check_pipe_bundle(core: Path, bundle: Path, python_session, python_calls: l
 @pytest.fixture(scope="module")
 def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
     """The tiny pair as an ExecuTorch cpu bundle whose decode, verify and draft methods call
-    edgemtp's kernels (`--attention kernel`, the default there): attention, Q4_0 linears, norms."""
+    edgemtp's kernels (`--kernels edgemtp`, the default there): attention, Q4_0 linears, norms."""
     from edgemtp.cli import main
 
     target, drafter = tiny_q4_0_pair
@@ -537,11 +538,11 @@ def tiny_onnx(tiny_q4_0_pair, tmp_path_factory) -> Path:
 def test_onnx_cache_arrays_match_the_onnx_runner(core_build, tiny_onnx, depth):
     """The engine keeps the cache arrays and writes back each method's rows and positions: it
     must feed every call exactly what OnnxRunner feeds."""
-    from edgemtp.export.bundle import open_tables
-    from edgemtp.export.onnx import OnnxRunner
-    from edgemtp.export.static import StaticShapes
     from edgemtp.model.checkpoint import target_config
+    from edgemtp.model.static import StaticShapes
     from edgemtp.runtime.backends import StaticBackend
+    from edgemtp.runtime.bundle import open_tables
+    from edgemtp.runtime.runners.onnx import OnnxRunner
     from edgemtp.runtime.session import Session
 
     manifest = json.loads((tiny_onnx / "manifest.json").read_text())
@@ -579,12 +580,12 @@ def test_coreml_slot_positions_match_the_coreml_runner(core_build, tiny_coreml_b
     """The engine owns the Core ML package's slot positions (pos_<kind> in, new_pos_<kind>
     out): every function call must get exactly what CoreMLRunner's protocol feeds. The
     functions run as their Core ML forms in torch (fp32), Core ML itself needing macOS."""
-    from edgemtp.export.bundle import open_tables
     from edgemtp.export.coreml import TorchCoreMLRunner
-    from edgemtp.export.static import StaticBundle, StaticShapes
     from edgemtp.export.weights import attach_int4
-    from edgemtp.model.checkpoint import load_drafter, load_target
+    from edgemtp.model.static import StaticBundle, StaticShapes
+    from edgemtp.quantize.load import load_drafter, load_target
     from edgemtp.runtime.backends import StaticBackend
+    from edgemtp.runtime.bundle import open_tables
     from edgemtp.runtime.session import Session
 
     bundle = tiny_coreml_bundle
@@ -600,21 +601,21 @@ def test_coreml_slot_positions_match_the_coreml_runner(core_build, tiny_coreml_b
         return TorchCoreMLRunner(static, None, torch.float32)
 
     calls: list[Call] = []
-    with runner() as python_runner, runner() as served:
-        run = python_runner._run
+    python_runner, served = runner(), runner()
+    run = python_runner._run
 
-        def recorded(method, feeds):
-            names = python_runner.io[method]["inputs"]
-            calls.append((method, [np.asarray(feeds[n]).copy() for n in names]))
-            return run(method, feeds)
+    def recorded(method, feeds):
+        names = python_runner.io[method]["inputs"]
+        calls.append((method, [np.asarray(feeds[n]).copy() for n in names]))
+        return run(method, feeds)
 
-        python_runner._run = recorded  # type: ignore[method-assign]
-        cfg = load_target(tiny_q4_0_pair[0]).cfg
-        tables = open_tables(bundle, cfg, manifest["tables"])
-        session = Session(StaticBackend(python_runner, tables, cfg, name="coreml"))
+    python_runner._run = recorded  # type: ignore[method-assign]
+    cfg = load_target(tiny_q4_0_pair[0]).cfg
+    tables = open_tables(bundle, cfg, manifest["tables"])
+    session = Session(StaticBackend(python_runner, tables, cfg, name="coreml"))
 
-        def answer(method, inputs):
-            out = served._run(method, {n: x.copy() for n, x in inputs})
-            return [(n, _typed(out[n])) for n in served.io[method]["outputs"]]
+    def answer(method, inputs):
+        out = served._run(method, {n: x.copy() for n, x in inputs})
+        return [(n, _typed(out[n])) for n in served.io[method]["outputs"]]
 
-        _check_pipe_bundle(core_build, bundle, session, calls, answer, depth)
+    _check_pipe_bundle(core_build, bundle, session, calls, answer, depth)

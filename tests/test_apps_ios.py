@@ -41,8 +41,9 @@ import yaml
 
 from edgemtp.cli import main
 from edgemtp.export import coreml
-from edgemtp.export.bundle import Lowered
+from edgemtp.export.lowered import Lowered
 from edgemtp.runtime import bench_report
+from edgemtp.runtime.capabilities import coreml_compute_units
 
 ROOT = Path(__file__).resolve().parents[1]
 IOS = ROOT / "apps" / "ios"
@@ -200,8 +201,8 @@ def coreml_manifest(tiny_q4_0_pair, tmp_path_factory, monkeypatch_module) -> Pat
         return Lowered(
             files=[f"{coreml.PACKAGE}/Manifest.json"], program=coreml.PACKAGE,
             numerics={"note": "not converted (test)"},
-            details={"compute_units": coreml.delegate_compute_units(delegate)},
-            method_io=coreml.method_io(static),
+            details={"compute_units": coreml_compute_units(delegate)},
+            method_io=coreml.declared_io(static),
         )  # fmt: skip
 
     monkeypatch_module.setattr(bundle, "_lowerer", lambda backend: lower)
@@ -276,8 +277,8 @@ def test_the_runner_reads_functions_and_io_from_the_manifest(plan_check, coreml_
         plan = json.loads(out)
         assert plan["program"] == manifest["program"] == coreml.PACKAGE
         assert plan["delegate"] == delegate
-        # The Python runtime's mapping (export/coreml.py's delegate_compute_units).
-        assert plan["compute_units"] == coreml.delegate_compute_units(delegate)
+        # The Python runtime's mapping (runtime/capabilities.py's coreml_compute_units).
+        assert plan["compute_units"] == coreml_compute_units(delegate)
         assert plan["functions"] == manifest["method_io"]  # names and order, as written
         assert set(plan["functions"]) == set(manifest["methods"])
 

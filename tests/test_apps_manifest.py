@@ -8,7 +8,7 @@ exported here, and for ExecuTorch (minutes to lower, too slow for this test) the
 manifest of a real tiny ExecuTorch bundle, `fuzz/seeds/manifest.json`. That one has no context
 buckets (the only backend with them is ExecuTorch cpu), so a copy with buckets and the bucketed
 methods an export would add is checked too. Every manifest must also validate against
-`export/manifest.schema.json`, and the core must refuse what it cannot use in one line.
+`runtime/manifest.schema.json`, and the core must refuse what it cannot use in one line.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import pytest
 from edgemtp import __version__
 from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.bundle import SCHEMA, SCHEMA_VERSION, SUPPORTED, check_manifest
-from edgemtp.export.static import StaticShapes, bucketed
+from edgemtp.model.static import StaticShapes, bucketed
+from edgemtp.runtime.bundle import SCHEMA, SCHEMA_VERSION, check_manifest
+from edgemtp.runtime.capabilities import SUPPORTED
 from edgemtp.runtime.conformance import manifest_mismatches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,7 +269,7 @@ def _first_layer_attention(m: Manifest) -> None:
     m["model"]["layers"][0]["attention"] = "chunked"
 
 
-# (change, the core's reason, whether export/manifest.schema.json rejects it too)
+# (change, the core's reason, whether runtime/manifest.schema.json rejects it too)
 REFUSALS: dict[str, tuple[Callable[[Manifest], object], str, bool]] = {
     "older schema": (
         lambda m: m.update(schema_version=0),

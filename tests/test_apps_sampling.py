@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.static import StaticShapes
+from edgemtp.model.static import StaticShapes
 from edgemtp.runtime import sampling
 from edgemtp.runtime.adaptive import AdaptiveDepth
 from edgemtp.runtime.generate import Step

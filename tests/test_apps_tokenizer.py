@@ -5,7 +5,7 @@ runtime/tokenizer.py's `PromptTokenizer`.
 tokenizer.json and prints what it got; every result is compared with `tokenizers` on the same
 file. The tokenizer.json kinds our bundles carry:
 
-- byte-level BPE behind the GPT-2 pre-tokenizer: the committed `models/embedded-target` one (as
+- byte-level BPE behind the GPT-2 pre-tokenizer: the committed `checkpoints/embedded-target` one (as
   `train.data.train_tokenizer` writes them), the same with added tokens of every flavour, and the
   one `tests/test_cli.py` builds (prefix space, no decoder, no post-processor, Gemma 2 markers);
 - Gemma's SentencePiece-style BPE with byte fallback, built here with `tokenizers` as Gemma's
@@ -41,7 +41,7 @@ from edgemtp.errors import EdgeMTPError
 from edgemtp.runtime.tokenizer import PromptTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-EMBEDDED = ROOT / "models" / "embedded-target" / "tokenizer.json"
+EMBEDDED = ROOT / "checkpoints" / "embedded-target" / "tokenizer.json"
 SPIECE = "\u2581"
 
 TEXTS = [

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from edgemtp.cli import main
-from edgemtp.model.checkpoint import load_target
+from edgemtp.quantize.load import load_target
 from edgemtp.runtime.bench import (
     SCHEMA_FILE,
     BenchPlan,
@@ -152,9 +152,9 @@ def test_decode_prediction_is_the_median_over_runs_at_each_runs_acceptance(repor
     # predicted at its own acceptance. Here one run accepts every draft in 10 rounds and the
     # other none in 30: each alone commits 3 and 1 tokens per round (median of two: 2); pooling
     # the 40 rounds would predict 1 + 1/4 + 1/4 = 1.5.
+    from edgemtp.devices.bench_prediction import predict_bench as predict
     from edgemtp.devices.profiles import load_profile
     from edgemtp.devices.simulator import Acceptance, model_from_bundle, simulate
-    from edgemtp.runtime.bench import predict
 
     _, doc = report
     runs = [dict(r) for r in doc["runs"]]

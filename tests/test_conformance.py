@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from edgemtp.cli import main
+from edgemtp.model.embedded import ASSISTANT, TARGET
 from edgemtp.runtime.conformance import (
     ConformanceMismatch,
     read_vectors,
     replay_vectors,
     vectors_text,
 )
-from edgemtp.runtime.demo import ASSISTANT, TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "apps" / "core"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edgemtp.devices.capabilities import Host, _qnn_libraries, require, runnable_here, why_not
 from edgemtp.errors import EdgeMTPError
+from edgemtp.runtime.capabilities import SUPPORTED, Host, _qnn_libraries, require, why_not
 
 MAC = Host(
     "Darwin",
@@ -26,7 +26,8 @@ BARE_LINUX = Host("Linux", "x86_64")
 
 
 def test_this_host_runs_the_cpu_bundles_and_names_what_it_lacks():
-    table = runnable_here()
+    host = Host.detect()
+    table = {b: {d: why_not(b, d, host) for d in ds} for b, ds in SUPPORTED.items()}
     assert table["executorch"]["cpu"] is None  # the installed executorch has XNNPACK
     assert table["onnx"]["cpu"] is None
     assert "needs macOS 15+ (this host is Linux)" in table["coreml"]["npu"]

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.checkpoint import Target, load_drafter, load_target
+from edgemtp.model.cache import KVCache
+from edgemtp.model.checkpoint import Target
+from edgemtp.model.forward import forward_rows
 from edgemtp.model.synth import write_preset
-from edgemtp.runtime.backends import forward_rows
+from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.generate import generate
-from edgemtp.runtime.kv_cache import KVCache
 from edgemtp.train import distill as D
 
 CYCLE = 24
@@ -56,8 +57,8 @@ def cyclic(tiny, tmp_path_factory) -> tuple[Path, Path, list[int]]:
     _fit_to_cycle(target, cycle)
     state = target.model.state_dict()
     tensors = {name: state[k].clone() for k, name in target.names.items() if k != "lm_head.weight"}
-    tensors["model.embed_tokens.weight"] = target.tables.tokens.float().clone()
-    tensors["model.embed_tokens_per_layer.weight"] = target.tables.per_layer.float().clone()
+    tensors["model.embed_tokens.weight"] = target.tables.tokens.table.float().clone()
+    tensors["model.embed_tokens_per_layer.weight"] = target.tables.per_layer.table.float().clone()
     (root / "t").mkdir()
     save_file(tensors, root / "t" / "model.safetensors")
     shutil.copy(tiny / "config.json", root / "t" / "config.json")

@@ -1,4 +1,4 @@
-"""The embedded default pair (`models/`): what ships, how it is released, and that it drafts."""
+"""The embedded default pair (`checkpoints/`): what ships, how it is released, that it drafts."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.checkpoint import load_drafter, load_target, open_checkpoint
+from edgemtp.model.embedded import ASSISTANT, PROMPTS, TARGET
 from edgemtp.model.synth import write_preset
-from edgemtp.runtime.demo import ASSISTANT, PROMPTS, TARGET
+from edgemtp.quantize.load import load_drafter, load_target, open_checkpoint
 from edgemtp.runtime.session import Session
 from edgemtp.runtime.tokenizer import load_tokenizer
 from edgemtp.train.release import release
@@ -50,7 +50,7 @@ def test_release_is_bf16_and_loads_the_same_model(tmp_path: Path) -> None:
 # --- the shipped pair ------------------------------------------------------------------------
 
 shipped = pytest.mark.skipif(
-    not (TARGET / "config.json").is_file(), reason="models/embedded-* not in this checkout"
+    not (TARGET / "config.json").is_file(), reason="checkpoints/embedded-* not in this checkout"
 )
 
 

@@ -15,16 +15,12 @@ import torch
 
 from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.bundle import (
-    check_pair,
-    open_tables,
-    read_manifest,
-    verify_files,
-    write_tables,
-)
-from edgemtp.model.checkpoint import load_target
+from edgemtp.export.bundle import write_tables
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+from edgemtp.quantize.load import load_target
+from edgemtp.runtime.bundle import open_tables, read_manifest, verify_files
+from edgemtp.runtime.capabilities import check_pair
 
 
 @pytest.fixture(scope="module")
@@ -145,13 +141,14 @@ def test_attention_is_a_deprecated_alias_of_kernels(
     assert capsys.readouterr().err.splitlines() == [
         "edgemtp export: --attention is deprecated; use --kernels edgemtp|xnnpack"
     ]
-    assert requests[0] == requests[1] and requests[0].attention == attention
+    assert requests[0] == requests[1] and requests[0].kernels == kernels
 
 
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
         (("--backend", "onnx", "--kernels", "xnnpack"), "--kernels is an ExecuTorch cpu option"),
+        (("--backend", "onnx", "--attention", "matmul"), "--kernels is an ExecuTorch cpu option"),
         (("--backend", "executorch", "--kernels", "edgemtp", "--attention", "matmul"),
          "pass only --kernels"),
     ],
@@ -404,7 +401,7 @@ def test_coreml_bundle_manifest_is_in_the_schema(tiny_coreml_bundle):
     theirs); a Core ML bundle cannot run here, so its manifest is checked on its own."""
     import jsonschema
 
-    from edgemtp.export.bundle import SCHEMA
+    from edgemtp.runtime.bundle import SCHEMA
 
     out = tiny_coreml_bundle
     manifest = read_manifest(out)
@@ -421,7 +418,7 @@ def test_coreml_bundle_manifest_is_in_the_schema(tiny_coreml_bundle):
 def test_bundle_generates_the_reference_tokens(quantized_pair, tmp_path_factory):
     from oracle_drafts import greedy
 
-    from edgemtp.model.checkpoint import load_drafter
+    from edgemtp.quantize.load import load_drafter
     from edgemtp.runtime.backends import StaticBackend
     from edgemtp.runtime.generate import generate
 
@@ -517,14 +514,14 @@ def e2b_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _runner(bundle: Path, manifest: dict):
-    from edgemtp.export.static import StaticShapes
+    from edgemtp.model.static import StaticShapes
 
     shapes = StaticShapes(**manifest["shapes"])
     if manifest["backend"] == "onnx":
-        from edgemtp.export.onnx import OnnxRunner
+        from edgemtp.runtime.runners.onnx import OnnxRunner
 
         return OnnxRunner(bundle / manifest["program"], shapes)
-    from edgemtp.export.driver import ExecuTorchRunner
+    from edgemtp.runtime.runners.executorch import ExecuTorchRunner
 
     return ExecuTorchRunner(bundle / manifest["program"], shapes)
 
@@ -533,7 +530,7 @@ def _runner(bundle: Path, manifest: dict):
 def test_scaled_e2b_bundle_generates_the_reference_tokens(e2b_pair, tmp_path, backend):
     from oracle_drafts import greedy
 
-    from edgemtp.model.checkpoint import load_drafter
+    from edgemtp.quantize.load import load_drafter
     from edgemtp.runtime.backends import StaticBackend
     from edgemtp.runtime.generate import generate
 

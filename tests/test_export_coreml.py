@@ -8,7 +8,7 @@ Core ML cannot run here (`predict` needs macOS 15+). What is checked instead:
 - the weights read back from weight.bin: int4 codes, offsets and scales equal to the
   checkpoint's (dequantized: `Int4Weight.dequantize()` exactly), fp16 weights equal to the
   float weights rounded to fp16;
-- the numerics: the same Core ML forms run eagerly in torch (`TorchCoreMLRunner`) with the
+- the numerics: the same Core ML form runs eagerly in torch (`TorchCoreMLRunner`) with the
   weights read back, against the fp32 eager reference along the reference engine's greedy
   decoding (AR and MTP): in fp32 equal up to float rounding and decoding the same tokens on
   their own; in fp16 (what the program computes) within the tolerances stated at `TOL`.
@@ -28,14 +28,22 @@ from oracle_drafts import greedy
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export import coreml
-from edgemtp.export.driver import EagerRunner
-from edgemtp.export.static import StaticBundle, StaticShapes
 from edgemtp.export.weights import attach_int4, int4_of
-from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.model.static import StaticBundle, StaticShapes
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.backends import StaticBackend
+from edgemtp.runtime.capabilities import coreml_compute_units
 from edgemtp.runtime.generate import generate
+from edgemtp.runtime.runners.coreml import (
+    CoreMLRunner,
+    dequantize,
+    package_weights,
+    validate_mlpackage,
+)
+from edgemtp.runtime.runners.coreml import function_io as package_io
+from edgemtp.runtime.runners.eager import EagerRunner
 
 SHAPES = StaticShapes(max_context=96, max_draft=2, chunk=8)
 N_NEW = 32  # tiny's sliding window is 16: decoding runs well past it
@@ -99,7 +107,7 @@ def _int4_linears(model, prefix):
 
 def test_package_structure(q4):
     target, drafter, static, lowered, package = q4
-    report = coreml.validate_mlpackage(package)
+    report = validate_mlpackage(package)
     assert report == lowered.details["package"]
     assert report["specification_version"] == coreml.SPEC_VERSION_IOS18
     assert report["opset"] == ["CoreML8"]  # iOS 18 / macOS 15
@@ -177,14 +185,14 @@ def test_package_structure(q4):
         # Every function writes every K/V state (the drafter only its trash slots).
         assert fn["ops"]["write_state"] == len(states), name
         assert fn["ops"]["read_state"] == len(states), name
-    assert lowered.method_io == coreml.method_io(static)
-    assert coreml.function_io(package) == coreml.method_io(static)  # what CoreMLRunner feeds
+    assert lowered.method_io == coreml.declared_io(static)
+    assert package_io(package) == coreml.declared_io(static)  # what CoreMLRunner feeds
 
 
 def test_int4_op_count_per_function(q4):
     """One constexpr per int4 linear a function uses, counted from the model structure."""
     target, drafter, _, _, package = q4
-    report = coreml.validate_mlpackage(package)
+    report = validate_mlpackage(package)
     cfg = target.cfg
     t4 = _int4_linears(target.model, "target")
     d4 = _int4_linears(drafter.model, "drafter")
@@ -213,7 +221,7 @@ def test_int4_op_count_per_function(q4):
 
 def test_int4_weights_read_back_exactly(q4):
     target, drafter, _, lowered, package = q4
-    stored = coreml.package_weights(package)
+    stored = package_weights(package)
     expected = {**_int4_linears(target.model, "target"), **_int4_linears(drafter.model, "drafter")}
     assert lowered.details["int4_linears"] == len(expected) > 0
     for name, w in expected.items():
@@ -222,7 +230,7 @@ def test_int4_weights_read_back_exactly(q4):
         assert entry["scale"].dtype == np.float16
         np.testing.assert_array_equal(entry["scale"].astype(np.float32), w.scales.numpy())
         np.testing.assert_array_equal(entry["data"], w.signed_codes().numpy())
-        np.testing.assert_array_equal(coreml.dequantize(entry), w.dequantize().numpy())
+        np.testing.assert_array_equal(dequantize(entry), w.dequantize().numpy())
     # Linears without a 4-bit form (tiny's per_layer_projection: in-dim 16) are fp16.
     for path, m in target.model.named_modules():
         key = f"target_{path}".replace(".", "_")
@@ -259,10 +267,10 @@ def test_package_holds_one_copy_of_the_weights(q4):
 def test_deployment_and_compute_units(q4):
     _, _, _, lowered, package = q4
     assert lowered.details["compute_units"] == "CPU_AND_GPU"
-    assert coreml.delegate_compute_units("npu") == "CPU_AND_NE"
-    assert coreml.delegate_compute_units("cpu") == "CPU_ONLY"
+    assert coreml_compute_units("npu") == "CPU_AND_NE"
+    assert coreml_compute_units("cpu") == "CPU_ONLY"
     with pytest.raises(EdgeMTPError, match="no Qualcomm delegate.*--delegate htp"):
-        coreml.delegate_compute_units("htp")
+        coreml_compute_units("htp")
     with pytest.raises(EdgeMTPError, match="no Qualcomm delegate"):
         coreml.lower_coreml(q4[2], "htp", package.parent / "htp", print)
     assert not (package.parent / "htp").exists()
@@ -282,7 +290,7 @@ def test_deployment_and_compute_units(q4):
 def test_runner_needs_macos(q4):
     *_, package = q4
     with pytest.raises(EdgeMTPError, match=r"needs macOS 15\+ \(this host is Linux\)"):
-        coreml.CoreMLRunner(package, SHAPES)
+        CoreMLRunner(package, SHAPES)
 
 
 # --- numerics ---------------------------------------------------------------------------------
@@ -337,28 +345,28 @@ class TeacherForced:
         return ref
 
 
-def _check_numerics(pair, static, package, depth, dtype):
-    """The Core ML forms in `dtype`, with the package's weights, against the fp32 eager
+def _check_numerics(pair, package, depth, dtype):
+    """The Core ML form in `dtype`, with the package's weights, against the fp32 eager
     reference along the reference engine's greedy decoding (AR or MTP)."""
     target, drafter = _load(pair)  # the reference engine
     fresh = _load(pair)
     reference = StaticBundle.build(fresh[0].model, fresh[1].model, SHAPES)  # fp32, eager
     ref = generate(target, _prompt(), N_NEW, drafter=drafter, mtp_depth=depth, prefill_chunk=8)
-    with coreml.TorchCoreMLRunner(static, package, dtype) as runner:
-        assert runner.loaded > 0 or dtype == torch.float32  # fp16 weights load in fp16 only
-        check = TeacherForced(EagerRunner(reference), runner, dtype)
-        got = greedy(StaticBackend(check, target.tables, target.cfg), _prompt(), N_NEW, depth)
-        assert got.tokens == ref.tokens  # the reference drove: same inputs all along
-        assert check.worst["logits"] <= check.tol_logits, check.worst
-        assert check.worst["hidden"] <= check.tol_hidden, check.worst
-        assert check.agree >= 0.8 * check.rows, (check.agree, check.rows)
-        if dtype == torch.float32:  # free-running: the forms alone decode the same tokens
-            runner.reset()
-            alone = greedy(
-                StaticBackend(runner, target.tables, target.cfg), _prompt(), N_NEW, depth
-            )
-            assert alone.tokens == ref.tokens
-            assert check.agree == check.rows
+    tested = _load(pair)
+    static = StaticBundle.build(tested[0].model, tested[1].model, SHAPES)
+    runner = coreml.TorchCoreMLRunner(static, package, dtype)
+    assert runner.loaded > 0 or dtype == torch.float32  # fp16 weights load in fp16 only
+    check = TeacherForced(EagerRunner(reference), runner, dtype)
+    got = greedy(StaticBackend(check, target.tables, target.cfg), _prompt(), N_NEW, depth)
+    assert got.tokens == ref.tokens  # the reference drove: same inputs all along
+    assert check.worst["logits"] <= check.tol_logits, check.worst
+    assert check.worst["hidden"] <= check.tol_hidden, check.worst
+    assert check.agree >= 0.8 * check.rows, (check.agree, check.rows)
+    if dtype == torch.float32:  # free-running: the forms alone decode the same tokens
+        runner.reset()
+        alone = greedy(StaticBackend(runner, target.tables, target.cfg), _prompt(), N_NEW, depth)
+        assert alone.tokens == ref.tokens
+        assert check.agree == check.rows
     return check
 
 
@@ -366,7 +374,7 @@ def _check_numerics(pair, static, package, depth, dtype):
 @pytest.mark.parametrize("depth", [0, 2])
 def test_q4_0_numerics(paths, q4, depth, dtype):
     _, _, static, lowered, package = q4
-    _check_numerics(paths["q4_0"], static, package, depth, dtype)
+    _check_numerics(paths["q4_0"], package, depth, dtype)
 
 
 def test_fp16_rmsnorm_does_not_overflow():
@@ -402,12 +410,12 @@ def test_quant_none_is_fp16(paths, none_pkg):
     assert coreml.INT4_OP not in report["functions"]["draft_step"]["ops"]
     assert "int4" not in report["weight_blobs"] and lowered.details["int4_linears"] == 0
     assert lowered.numerics["weights"].startswith("fp16")
-    stored = coreml.package_weights(package)
+    stored = package_weights(package)
     linears = [(p, m) for p, m in drafter.model.named_modules() if isinstance(m, torch.nn.Linear)]
     for path, m in linears:
         key = f"drafter_{path}".replace(".", "_")
         np.testing.assert_array_equal(stored[key]["value"], m.weight.half().numpy())
-    _check_numerics(paths["none"], static, package, 2, torch.float16)
+    _check_numerics(paths["none"], package, 2, torch.float16)
 
 
 @pytest.fixture(scope="module")
@@ -430,7 +438,7 @@ def test_exports_are_byte_identical(w4a16_pkgs):
 
 def test_asymmetric_w4a16_read_back_exactly(paths, w4a16_pkgs):
     (target, drafter, static, lowered), (a, _) = w4a16_pkgs
-    stored = coreml.package_weights(a / coreml.PACKAGE)
+    stored = package_weights(a / coreml.PACKAGE)
     expected = _int4_linears(drafter.model, "drafter")
     schemes = {w.scheme for w in expected.values()}
     assert "w4a16" in schemes
@@ -445,8 +453,8 @@ def test_asymmetric_w4a16_read_back_exactly(paths, w4a16_pkgs):
             np.testing.assert_array_equal(entry["data"], w.codes.numpy())
             np.testing.assert_array_equal(entry["offset"], w.zeros.numpy())
         np.testing.assert_array_equal(entry["scale"].astype(np.float32), w.scales.numpy())
-        np.testing.assert_array_equal(coreml.dequantize(entry), w.dequantize().numpy())
+        np.testing.assert_array_equal(dequantize(entry), w.dequantize().numpy())
     assert asymmetric > 0
     assert "uint4" in lowered.details["package"]["weight_blobs"]
     for dtype in (torch.float32, torch.float16):
-        _check_numerics(paths["w4a16"], static, a / coreml.PACKAGE, 0, dtype)
+        _check_numerics(paths["w4a16"], a / coreml.PACKAGE, 0, dtype)

@@ -27,19 +27,14 @@ from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 
 from edgemtp.devices.calibrate.xnnpack import linear_chain
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.driver import ExecuTorchRunner
 from edgemtp.export.executorch import (
     PORTABLE_CALL,
-    FusedInt4Linear,
-    Int4Linear,
-    _block_form,
-    fuse_shared_input_linears,
     lower_executorch,
     program_operator_kinds,
     program_operators,
-    xnnpack_forms,
-    xnnpack_int8_rows,
 )
+from edgemtp.export.forms import XNNPACK_KERNELS
+from edgemtp.export.int4 import QKV, Int4Linear, _block_form, fuse_linears, xnnpack_int8_rows
 from edgemtp.export.lower import (
     backend_config,
     delegation_summary,
@@ -47,14 +42,18 @@ from edgemtp.export.lower import (
     lower_programs,
     xnnpack_partitioner,
 )
-from edgemtp.export.static import StaticBundle, StaticShapes
+from edgemtp.export.primitives import projections
 from edgemtp.export.weights import attach_int4, int4_of
-from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.model.cache import KVCache
+from edgemtp.model.forward import forward_rows, prefill
+from edgemtp.model.primitives import REFERENCE
+from edgemtp.model.static import StaticBundle, StaticShapes
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
-from edgemtp.runtime.backends import StaticBackend, forward_rows, prefill
+from edgemtp.quantize.load import load_drafter, load_target
+from edgemtp.runtime.backends import StaticBackend
 from edgemtp.runtime.generate import generate
-from edgemtp.runtime.kv_cache import KVCache
+from edgemtp.runtime.runners.executorch import ExecuTorchRunner
 from edgemtp.runtime.session import Session
 
 SHAPES = StaticShapes(max_context=64, max_draft=4, chunk=8)
@@ -88,14 +87,14 @@ def checkpoints(tmp_path_factory):
 
 def _load(root, scheme: str, program_numerics: bool = False):
     """Target and drafter of a scheme with their 4-bit forms attached; `program_numerics`:
-    swapped to what the XNNPACK program computes (8da4w linears, export forms), in eager."""
+    in the form the XNNPACK program computes (8da4w linears, edgemtp's kernels), in eager."""
     target = load_target(root / f"{scheme}_t")
     drafter = load_drafter(root / f"{scheme}_a", target.cfg)
     for loaded in (target, drafter):
         if scheme != "none":
             attach_int4(loaded.model, loaded.source, loaded.names)
         if program_numerics:
-            xnnpack_forms(loaded.model)
+            loaded.use_form(XNNPACK_KERNELS)
     return target, drafter
 
 
@@ -182,15 +181,15 @@ def test_8da4w_linear_matches_numpy_oracle(checkpoints, scheme):
 
 
 class _ThreeParts(torch.nn.Module):
-    """Q, K and V of a layer called as an attention block calls them: three times on one x."""
+    """Q, K and V of a layer as an attention block projects them."""
 
     def __init__(self, attn: torch.nn.Module):
         super().__init__()
         self.attn = attn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.attn
-        return torch.cat([a.k_proj(x), a.v_proj(x), a.q_proj(x)], dim=-1)
+        q, k, v = projections(REFERENCE, self.attn, x, q=True, kv=True)
+        return torch.cat([k, v, q], dim=-1)
 
 
 def test_fused_qkv_linear_computes_each_part_exactly(checkpoints):
@@ -205,8 +204,9 @@ def test_fused_qkv_linear_computes_each_part_exactly(checkpoints):
         setattr(attn, name, linear)
     x = torch.randn(4, parts["q_proj"].in_features, generator=torch.Generator().manual_seed(2))
     separate = np.concatenate([_run(_lower_linear(p, x), x) for p in parts.values()], axis=-1)
-    assert fuse_shared_input_linears(attn) == 3
-    assert isinstance(attn.q_k_v, FusedInt4Linear) and attn.q_k_v.offset is not None
+    assert fuse_linears(attn, {"qkv": QKV}) == 3
+    assert isinstance(attn.qkv, Int4Linear) and attn.qkv.offset is not None
+    assert attn.q_proj is None and attn.qkv.widths == tuple(parts[n].out_features for n in QKV)
     module = _ThreeParts(attn)
     edge = lower_programs({"forward": export_method(module, (x,))}, lambda: [xnnpack_partitioner()])
     ops = program_operators(edge.to_executorch(backend_config()).executorch_program)["forward"]
@@ -355,12 +355,14 @@ def _program_picks(
 def _teacher_forced(target, prompt: list[int], tokens: list[int]) -> tuple[int, float]:
     """Fed prompt + tokens, how many of `tokens` the reference also picks greedily, and the
     largest gap between its best logit and the token's, relative to its logit range."""
-    cache = KVCache.for_model(target.model, target.cfg, len(prompt) + len(tokens), SHAPES.max_draft)
+    cache = KVCache(
+        target.cfg, len(prompt) + len(tokens), SHAPES.max_draft, target.form.cache_dtype
+    )
     _, logits = prefill(target, cache, torch.tensor(prompt), chunk=8)
     rows = [logits]
     for token in tokens[:-1]:  # each as a decode step, as the program's verify_0 ran it
         hidden = forward_rows(target, cache, torch.tensor([token]), "all")
-        rows.append(target.model.logits(hidden[-1]))
+        rows.append(target.model.logits(hidden[-1], target.form.step))
     logits = torch.stack(rows)
     chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     gap = (logits.max(-1).values - chosen) / logits.abs().amax(-1)
@@ -378,12 +380,12 @@ def test_drafter_reads_the_targets_cache_in_place(checkpoints, lowered):
     hidden, logits = StaticBackend(runner, target.tables, target.cfg).prefill(prompt, 0)
     embed = target.tables.embed(logits.argmax()[None])[0]
     got, _, _ = runner.call("draft_step", embed, hidden, torch.tensor([len(prompt)]))
-    cache = KVCache.for_model(target.model, target.cfg, SHAPES.max_context, SHAPES.max_draft)
+    cache = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft, target.form.cache_dtype)
     prefill(target, cache, torch.tensor(prompt), chunk=8)
     empty = KVCache(target.cfg, SHAPES.max_context, SHAPES.max_draft)
     with torch.no_grad():  # the next hidden state: continuous, unlike the top-k clustered ids
-        ref, _, _ = drafter.model(embed, hidden, len(prompt), cache)
-        stale, _, _ = drafter.model(embed, hidden, len(prompt), empty)
+        ref, _, _ = drafter.model(embed, hidden, len(prompt), cache, drafter.form.step)
+        stale, _, _ = drafter.model(embed, hidden, len(prompt), empty, drafter.form.step)
     error = float((got - ref).abs().max() / ref.abs().max())
     assert error <= TOLERANCE["8da4w_vs_8da4w"]
     assert float((stale - ref).abs().max() / ref.abs().max()) > 10 * max(error, 1e-3)
@@ -403,7 +405,7 @@ def test_program_logits_within_tolerance_of_eager_references(checkpoints, lowere
     driver = StaticBackend(ExecuTorchRunner(pte, SHAPES), first.tables, first.cfg)
     _, got = driver.prefill(prompt.tolist(), 0)
     for name, model in references.items():
-        cache = KVCache.for_model(model.model, model.cfg, SHAPES.max_context, SHAPES.max_draft)
+        cache = KVCache(model.cfg, SHAPES.max_context, SHAPES.max_draft, model.form.cache_dtype)
         _, ref = prefill(model, cache, prompt, chunk=8)
         error = float((got - ref).abs().max() / ref.abs().max())
         assert error <= TOLERANCE[name], name
@@ -590,7 +592,7 @@ def test_bundle_lowering_is_deterministic(checkpoints, tmp_path):
 
 @slow
 def test_metal_lowers_to_core_ml_and_says_where_it_runs(checkpoints, tmp_path):
-    from edgemtp.export.driver import _delegate_backends
+    from edgemtp.runtime.runners.executorch import _delegate_backends
 
     target, _ = _load(checkpoints, "q4_0")
     shapes = StaticShapes(64, 0, 8)
@@ -611,7 +613,7 @@ def test_scaled_e2b_bundle_from_the_cli(tmp_path):
     through `edgemtp export --backend executorch`: a verified bundle whose MTP tokens equal its
     AR tokens and that follows the eager reference of its numerics."""
     from edgemtp.cli import main
-    from edgemtp.export.bundle import open_tables, read_manifest, verify_files
+    from edgemtp.runtime.bundle import open_tables, read_manifest, verify_files
 
     write_preset("e2b", tmp_path / "none_t", scale=0.1, init_std=0.05)
     write_preset("e2b-assistant", tmp_path / "none_a", scale=0.1, init_std=0.05)
@@ -650,7 +652,7 @@ def test_scaled_e2b_bundle_from_the_cli(tmp_path):
     _, got = driver.prefill(prompt, 0)
     errors = []
     for model in (reference, fp32_reference):
-        cache = KVCache.for_model(model.model, model.cfg, shapes.max_context, shapes.max_draft)
+        cache = KVCache(model.cfg, shapes.max_context, shapes.max_draft, model.form.cache_dtype)
         _, ref = prefill(model, cache, torch.tensor(prompt), chunk=shapes.chunk)
         errors.append(float((got - ref).abs().max() / ref.abs().max()))
         if model is reference:

@@ -17,25 +17,25 @@ from onnx import TensorProto, helper, numpy_helper
 from oracle_drafts import OracleDrafts, greedy
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.driver import EagerRunner
 from edgemtp.export.onnx import (
     FOLDER,
     MATMUL_NODES,
     VIEW_NODES,
     WEIGHTS,
-    OnnxRunner,
-    flush_denormals,
     lower_onnx,
     qdq_weight_tensors,
 )
-from edgemtp.export.static import StaticBundle, StaticShapes
 from edgemtp.export.weights import attach_int4, int4_of
-from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.model.cache import KVCache
+from edgemtp.model.forward import prefill
+from edgemtp.model.static import StaticBundle, StaticShapes
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
-from edgemtp.runtime.backends import StaticBackend, prefill
+from edgemtp.quantize.load import load_drafter, load_target
+from edgemtp.runtime.backends import StaticBackend
 from edgemtp.runtime.generate import generate
-from edgemtp.runtime.kv_cache import KVCache
+from edgemtp.runtime.runners.eager import EagerRunner
+from edgemtp.runtime.runners.onnx import OnnxRunner, flush_denormals
 
 SHAPES = StaticShapes(max_context=96, max_draft=2, chunk=8)
 N_NEW = 40  # tiny's window is 16: decoding runs well past it

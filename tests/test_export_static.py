@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
+from torch.export import ExportedProgram
 
-from edgemtp.export.driver import EagerRunner
-from edgemtp.export.exportable import (
-    BLOCKED,
-    ArithmeticMaskDrafter,
-    ArithmeticMaskTarget,
-    additive_target_mask,
-)
-from edgemtp.export.lower import export_methods, ops_per_layer
-from edgemtp.export.static import StaticBundle, StaticCache, StaticShapes, auto_context_buckets
-from edgemtp.model.checkpoint import load_drafter, load_target
-from edgemtp.model.gemma4 import Gemma4Drafter, target_mask
+from edgemtp.export.forms import EXPORT, XNNPACK
+from edgemtp.export.lower import export_method
+from edgemtp.export.primitives import BLOCKED, arithmetic_mask
+from edgemtp.model.cache import KVCache, StaticCache
+from edgemtp.model.forward import prefill
+from edgemtp.model.primitives import REFERENCE, attends
+from edgemtp.model.static import StaticBundle, StaticShapes, auto_context_buckets
 from edgemtp.model.synth import write_preset
-from edgemtp.runtime.backends import StaticBackend, prefill
+from edgemtp.quantize.load import load_drafter, load_target
+from edgemtp.runtime.backends import StaticBackend
 from edgemtp.runtime.generate import generate
-from edgemtp.runtime.kv_cache import KVCache
+from edgemtp.runtime.runners.eager import EagerRunner
 
 SHAPES = StaticShapes(max_context=96, max_draft=2, chunk=8)
 N_NEW = 40  # tiny's window is 16: decoding runs well past it
@@ -44,11 +44,13 @@ def reference(paths):
     return _load(paths)
 
 
-@pytest.fixture()
-def static(paths):
-    """A fresh bundle (its models are swapped to export forms, so never shared)."""
+@pytest.fixture(params=["reference", "export"])
+def static(paths, request):
+    """A fresh bundle in the reference form or the export form (its models then belong to it,
+    so never shared)."""
     target, drafter = _load(paths)
-    bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
+    form = EXPORT if request.param == "export" else None
+    bundle = StaticBundle.build(target.model, drafter.model, SHAPES, *([form] if form else []))
     return bundle, StaticBackend(EagerRunner(bundle), target.tables, target.cfg)
 
 
@@ -72,13 +74,13 @@ def test_arithmetic_mask_blocks_exactly_what_the_bool_mask_blocks(window):
     # rows at 30..37 over slots holding past, current, future and empty (-1) positions
     rows = torch.arange(30, 38)
     keys = torch.tensor([-1, 0, 5, 13, 14, 15, 21, 29, 30, 33, 37, 38, 60, -1])
-    attends = target_mask(rows, keys, window)
-    additive = additive_target_mask(rows, keys, window)
-    assert torch.equal(additive == 0, attends)
-    assert (additive[~attends] <= BLOCKED).all() and additive.isfinite().all()
+    allowed = attends(rows, keys, window)
+    additive = arithmetic_mask(XNNPACK.step, rows, keys, window)
+    assert torch.equal(additive == 0, allowed)
+    assert (additive[~allowed] <= BLOCKED).all() and additive.isfinite().all()
     # the softmax over masked scores is the -inf form's, exactly
     scores = torch.randn(rows.shape[0], keys.shape[0]) * 30
-    ref = torch.softmax(scores.masked_fill(~attends, float("-inf")), dim=-1)
+    ref = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     assert torch.equal(torch.softmax(scores + additive, dim=-1), ref)
 
 
@@ -89,22 +91,26 @@ def test_drafter_arithmetic_mask_blocks_exactly_what_its_bool_mask_blocks(paths)
     window = drafter.cfg.text.sliding_window
     pos = torch.tensor([40])
     keys = torch.tensor([-1, 0, 40 - window - 2, 40 - window - 1, 40 - window, 20, 38, 39, 40, 41])
-    kv_pos = {"sliding": keys, "full": keys}
-    attends = Gemma4Drafter.masks(drafter, pos, kv_pos)
-    additive = ArithmeticMaskDrafter.masks(drafter, pos, kv_pos)
-    for kind in kv_pos:
-        assert torch.equal(additive[kind] == 0, attends[kind]), kind
-        assert (additive[kind][~attends[kind]] <= BLOCKED).all()
-    assert attends["sliding"].sum() < attends["full"].sum()  # the window did block something
+
+    class Keys:  # a cache view holding `keys` for both kinds
+        def positions(self, kind: str) -> torch.Tensor:
+            return keys
+
+    allowed = drafter.masks(pos, Keys(), REFERENCE)
+    additive = drafter.masks(pos, Keys(), XNNPACK.step)
+    # the reference drafter mask, written out: before the position, in the window + 1 newest
+    inside = (keys >= 0) & (keys < 40) & (39 - keys <= window)
+    assert torch.equal(allowed["sliding"][0], inside)
+    for kind in allowed:
+        assert torch.equal(additive[kind] == 0, allowed[kind]), kind
+        assert (additive[kind][~allowed[kind]] <= BLOCKED).all()
+    assert allowed["sliding"].sum() < allowed["full"].sum()  # the window did block something
 
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_arithmetic_masks_decode_the_reference_tokens(reference, paths, depth):
     target, drafter = _load(paths)
-    bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
-    bundle.target.target.__class__ = ArithmeticMaskTarget  # as XNNPACK programs compute
-    assert bundle.drafter is not None
-    bundle.drafter.drafter.__class__ = ArithmeticMaskDrafter
+    bundle = StaticBundle.build(target.model, drafter.model, SHAPES, XNNPACK)  # float weights
     backend = StaticBackend(EagerRunner(bundle), target.tables, target.cfg)
     ref_target, ref_drafter = reference
     ref = generate(ref_target, _prompt(), N_NEW, drafter=ref_drafter, mtp_depth=depth,
@@ -124,7 +130,7 @@ def test_slot_positions_are_what_writing_each_row_in_turn_gives(reference):
     for start, rows, pads in calls:
         end = start + rows
         positions = torch.cat([torch.full((pads,), end), torch.arange(start, end)])
-        cache.write(cache.view(truncate_at=positions.min()), {}, positions)
+        cache.write(cache.view(truncate_at=positions.min()), {}, positions, REFERENCE)
         for kind, n in cache.slots.items():
             slots = expected[kind]
             slots[:] = [-1 if p >= start else p for p in slots]
@@ -174,7 +180,8 @@ def test_intermediate_prefill_has_no_shared_layer_ops(static):
     bundle, _ = static
     cfg = bundle.target.target.cfg
     only = ("prefill_intermediate", "prefill_final")
-    programs = export_methods(bundle, only)
+    programs = {name: export_method(m, x) for name, (m, x) in bundle.methods().items()
+                if name in only}  # fmt: skip
     inter = ops_per_layer(programs["prefill_intermediate"])
     final = ops_per_layer(programs["prefill_final"])
     owned = range(cfg.first_shared_layer)
@@ -185,6 +192,21 @@ def test_intermediate_prefill_has_no_shared_layer_ops(static):
     # projections alone (in the final chunk the rest runs, on the last row)
     assert inter[last] == (1 if cfg.layers[last].k_eq_v else 2) < final[last]
     assert all(final[i] > 0 for i in range(cfg.first_shared_layer, cfg.num_layers))
+
+
+def ops_per_layer(program: ExportedProgram, prefix: str = "owner.target.layers.") -> Counter:
+    """Linear and matmul nodes per target layer (from each node's module stack)."""
+    counts: Counter = Counter()
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not any(
+            op in str(node.target) for op in ("linear", "matmul")
+        ):
+            continue
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            if path.startswith(prefix):
+                counts[int(path[len(prefix) :].split(".")[0])] += 1
+                break
+    return counts
 
 
 BUCKETED = StaticShapes(max_context=96, max_draft=2, chunk=8, context_buckets=(12, 48))
@@ -252,25 +274,6 @@ def test_context_buckets_prefill_like_the_whole_cache(paths, reference, n, metho
     got = greedy(StaticBackend(EagerRunner(bundle), target.tables, target.cfg), prompt, 30, 0)
     assert got.tokens == ref.tokens
     assert {m for m in got.calls if m.startswith("prefill")} == methods
-
-
-def test_a_bundle_without_prefill_buckets_prefills_through_the_whole_cache(paths, reference):
-    """Bundles exported before prefill had buckets hold bucketed decode methods only: the
-    runtime then prefills through the whole-cache methods, with the same tokens."""
-    ref_target, _ = reference
-    ref = generate(ref_target, _prompt(30), 10, prefill_chunk=8)
-    target, drafter = _load(paths)
-    runner = EagerRunner(StaticBundle.build(target.model, drafter.model, BUCKETED))
-    runner.methods = {
-        name: m for name, m in runner.methods.items() if not name.startswith("prefill_")
-        or "_ctx" not in name
-    }  # fmt: skip
-    got = greedy(StaticBackend(runner, target.tables, target.cfg), _prompt(30), 10, 0)
-    assert got.tokens == ref.tokens
-    assert {m for m in got.calls if m.startswith("prefill")} == {
-        "prefill_intermediate", "prefill_final"
-    }  # fmt: skip
-    assert "verify_0_ctx48" in got.calls
 
 
 def test_context_buckets_must_fit_between_depth_and_context():

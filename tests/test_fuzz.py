@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.bundle import read_manifest
 from edgemtp.model.config import parse_assistant_config, parse_text_config
 from edgemtp.model.synth import preset_config
 from edgemtp.quantize.gguf_import import GGUFSource
+from edgemtp.runtime.bundle import read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fuzz"))

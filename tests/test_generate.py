@@ -7,10 +7,10 @@ import torch
 from hf_oracle import build_assistant, build_target, target_config
 from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
-from edgemtp.model.checkpoint import load_drafter, load_target
-from edgemtp.runtime.backends import prefill
+from edgemtp.model.cache import KVCache
+from edgemtp.model.forward import prefill
+from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.generate import generate
-from edgemtp.runtime.kv_cache import KVCache
 
 WINDOW = 8
 

@@ -23,12 +23,12 @@ from transformers import Gemma4ForCausalLM
 
 from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.checkpoint import load_target, open_checkpoint
+from edgemtp.model.cache import KVCache
 from edgemtp.model.config import parse_text_config
 from edgemtp.quantize.gguf_import import GGUFSource, Q8_0Rows, dequantize_q8_0
+from edgemtp.quantize.load import load_target, open_checkpoint
 from edgemtp.quantize.q4_0 import pack_q4_0
 from edgemtp.quantize.tables import Q4_0Rows
-from edgemtp.runtime.kv_cache import KVCache
 
 TOL = 1e-4
 TABLES = ("model.embed_tokens.weight", "model.embed_tokens_per_layer.weight")

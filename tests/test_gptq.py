@@ -9,9 +9,11 @@ import torch
 from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.checkpoint import Target, load_target
+from edgemtp.model.cache import KVCache
+from edgemtp.model.checkpoint import Target
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.gptq import collect_hessians, gptq_quantize
+from edgemtp.quantize.load import load_target
 from edgemtp.quantize.w4a16 import (
     W4A16,
     dequantize_w4a16,
@@ -20,7 +22,6 @@ from edgemtp.quantize.w4a16 import (
     to_pack_quantized,
 )
 from edgemtp.quantize.w4a16 import W4A16Scheme as Scheme
-from edgemtp.runtime.kv_cache import KVCache
 
 
 def _layer(out: int, cols: int, rows: int = 2048, seed: int = 0) -> tuple[Tensor, Tensor]:

@@ -7,6 +7,7 @@ llama.cpp's Q8_0 x Q4_0 product written in numpy over the GGML bytes `gguf` quan
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -18,18 +19,19 @@ import pytest
 import torch
 from torch import nn
 
+from edgemtp import native
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.exportable import (
-    BLOCKED,
+from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
+from edgemtp.export.primitives import BLOCKED
+from edgemtp.quantize.q4_0 import BLOCK, nibbles_q4_0, unpack_q4_0
+from edgemtp.runtime import kernels
+from edgemtp.runtime.kernels.ops import (
     add_rms_norm,
     cache_attention,
     q4_0_gated_linear,
     q4_0_linear,
     rms_norm,
 )
-from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
-from edgemtp.quantize.q4_0 import BLOCK, nibbles_q4_0, unpack_q4_0
-from edgemtp.runtime import kernels
 
 
 @dataclass
@@ -451,11 +453,26 @@ def test_build_is_cached_by_source_and_compiler(tmp_path):
 def test_each_executorch_installation_gets_its_own_build(monkeypatch, tmp_path):
     """The library links to one installation's libexecutorch.so: a second venv sharing the
     build cache must not load it (two kernel registries in one process abort)."""
-    cxx = kernels.compiler()
+    cxx = native.compiler()
     assert cxx is not None
-    here = kernels._build_key(cxx)
+    files = (*kernels.SOURCES, *kernels.HEADERS)
+    here = native.build_key(cxx, kernels.FLAGS, files, kernels.installation())
     monkeypatch.setattr(kernels, "executorch_root", lambda: tmp_path / "other-venv" / "executorch")
-    assert kernels._build_key(cxx) != here
+    assert native.build_key(cxx, kernels.FLAGS, files, kernels.installation()) != here
+
+
+def test_each_cpu_gets_its_own_build(monkeypatch):
+    """A library built with -march=native for one CPU can die with SIGILL on another that
+    shares the build cache (a network home, a copied ~/.cache): the key holds what
+    -march=native resolves to here."""
+    cxx = native.compiler()
+    assert cxx is not None
+    files = (*kernels.SOURCES, *kernels.HEADERS)
+    here = native.build_key(cxx, kernels.FLAGS, files, ())
+    assert "march" in native.resolved_target(cxx, kernels.FLAGS)  # the compiler spelled it out
+    monkeypatch.setattr(native, "resolved_target", lambda cxx, flags: "another CPU")
+    assert native.build_key(cxx, kernels.FLAGS, files, ()) != here
+
 
 
 @pytest.mark.parametrize(
@@ -466,7 +483,7 @@ def test_build_without_a_working_compiler_names_the_fix(tmp_path, monkeypatch, c
     monkeypatch.setenv("CXX", cxx)
     with pytest.raises(EdgeMTPError, match=re.escape(message)) as err:
         kernels.build(tmp_path / "cache")
-    assert "--attention matmul" in str(err.value)
+    assert "--kernels xnnpack" in str(err.value)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
@@ -476,8 +493,8 @@ def test_program_needing_kernels_without_a_compiler_fails_in_one_line(tmp_path):
     script = textwrap.dedent(
         f"""
         from edgemtp.errors import EdgeMTPError
-        from edgemtp.export.driver import ExecuTorchRunner
-        from edgemtp.export.static import StaticShapes
+        from edgemtp.runtime.runners.executorch import ExecuTorchRunner
+        from edgemtp.model.static import StaticShapes
         try:
             ExecuTorchRunner({str(pte)!r}, StaticShapes(64, 0, 8))
         except EdgeMTPError as e:
@@ -487,11 +504,11 @@ def test_program_needing_kernels_without_a_compiler_fails_in_one_line(tmp_path):
     env = {**os.environ, "CXX": "/nonexistent/c++", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     line = next(x for x in done.stdout.splitlines() if x.startswith("ERROR"))
-    assert "edgemtp::cache_attention.out" in line and "--attention matmul" in line
+    assert "edgemtp::cache_attention.out" in line and "--kernels xnnpack" in line
 
 
 @pytest.mark.skipif(
-    kernels.platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 vector targets"
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 vector targets"
 )
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])  # AVX2 + F16C (8 lanes); SSE2 (4)
 def test_kernel_built_for_narrower_vectors_matches_numpy(program, tmp_path, arch):

@@ -11,9 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from edgemtp.model.checkpoint import load_drafter, load_target
-from edgemtp.model.gemma4 import full_vocab_logits
-from edgemtp.runtime.kv_cache import KVCache
+from edgemtp.model.cache import KVCache
+from edgemtp.quantize.load import load_drafter, load_target
 
 TOL = 1e-4
 
@@ -48,6 +47,15 @@ def tiny_configs(draw):
     if k_eq_v:
         cfg["num_global_key_value_heads"] = draw(st.sampled_from([1, 2]))
     return cfg, draw(st.integers(0, 2**16))
+
+
+def full_vocab_logits(ids: torch.Tensor | None, logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Clustered logits scattered into the vocabulary, the rest one below the smallest kept
+    logit (the reference's representation)."""
+    if ids is None:
+        return logits
+    out = torch.full((vocab,), logits.min().item() - 1.0, dtype=logits.dtype)
+    return out.scatter(0, ids, logits)
 
 
 def _ours(target, ids: torch.Tensor, cache: KVCache, rows: str = "all"):

@@ -16,7 +16,6 @@ from edgemtp.quantize.q4_0 import (
     Q4_0,
     dequantize_q4_0,
     pack_q4_0,
-    q4_0_as_int4_groups,
     quantize_q4_0,
     unpack_q4_0,
 )
@@ -228,10 +227,14 @@ def test_gguf_file_round_trip(tmp_path) -> None:
 
 
 def test_int4_groups_dequantize_to_identical_floats() -> None:
+    """The int4 form every backend lowers (`export.weights.int4_weight`): the same floats."""
+    from edgemtp.export.weights import int4_weight
+
     x = np.random.default_rng(8).standard_normal((12, 192)).astype(np.float32)
     x[0, :32] = 0.0  # -0.0 scale: the zero products must keep the same sign in both forms
     q = quantize_q4_0(x)
-    values, scales = q4_0_as_int4_groups(q)
+    w4 = int4_weight(q)
+    values, scales = w4.signed_codes(), w4.scales
     assert values.dtype == torch.int8 and tuple(values.shape) == (12, 192)
     assert scales.dtype == torch.float32 and tuple(scales.shape) == (12, 6)
     assert int(values.min()) >= -8 and int(values.max()) <= 7

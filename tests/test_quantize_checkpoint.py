@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.checkpoint import load_target
+from edgemtp.model.cache import KVCache
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
+from edgemtp.quantize.load import load_target
 from edgemtp.quantize.tables import Int8Rows, Q4_0Rows
-from edgemtp.runtime.kv_cache import KVCache
 
 IDS = torch.tensor([2, 17, 99, 5, 64, 3, 120, 7, 7, 41, 88, 12])
 
@@ -219,8 +219,8 @@ def test_bad_inputs_leave_nothing_behind(hf_folder, tmp_path, capsys):
 
 
 def test_quantized_pair_decodes_with_mtp(tmp_path):
-    from edgemtp.model.checkpoint import load_drafter
     from edgemtp.model.synth import write_preset
+    from edgemtp.quantize.load import load_drafter
     from edgemtp.runtime.generate import generate
 
     target_dir = write_preset("tiny", tmp_path / "t")

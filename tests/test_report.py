@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from edgemtp.cli import main
-from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.model.cache import KVCache
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
-from edgemtp.quantize.report import build_report, next_token_stats
-from edgemtp.runtime.kv_cache import KVCache
+from edgemtp.quantize.load import load_drafter, load_target
+from edgemtp.runtime.quality import build_report, next_token_stats
 
 IDS = [int(i) for i in torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(0))]
 

@@ -21,12 +21,13 @@ from oracle_drafts import OracleDrafts, greedy
 from edgemtp import __version__
 from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.bundle import open_tables, read_manifest, write_tables
-from edgemtp.model.checkpoint import load_drafter, load_target
-from edgemtp.model.gemma4 import TokenTables
+from edgemtp.export.bundle import write_tables
+from edgemtp.model.tables import TokenTables
+from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.quantize.tables import Int8Rows
 from edgemtp.runtime.adaptive import MAX_AGE, WARMUP, AdaptiveDepth
 from edgemtp.runtime.backends import ReferenceBackend
+from edgemtp.runtime.bundle import open_tables, read_manifest
 from edgemtp.runtime.generate import Step, generate
 from edgemtp.runtime.probes import current_rss_mb
 from edgemtp.runtime.session import Session
@@ -288,7 +289,7 @@ def test_static_backend_refills_its_own_inputs_at_every_call():
     """A static method's inputs are the backend's tensors for that row count, refilled at each
     call: a call with fewer real rows than the last one of its size gets zero pad rows at the
     trash position, never the last call's rows (token-id tables: a row is its id)."""
-    from edgemtp.export.static import StaticShapes
+    from edgemtp.model.static import StaticShapes
     from edgemtp.runtime.backends import StaticBackend
     from edgemtp.runtime.conformance import ReplayConfig, TokenIdTables
 

@@ -36,10 +36,11 @@ from edgemtp.devices.simulator import (
     trace_acceptance,
 )
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.static import StaticBundle, StaticShapes
-from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.export.forms import EXPORT
 from edgemtp.model.cost import Work, draft_work, forward_work, layer_weights, static_cache_keys
+from edgemtp.model.static import StaticBundle, StaticShapes
 from edgemtp.model.synth import write_preset
+from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.adaptive import AdaptiveDepth
 from edgemtp.runtime.generate import Step
 
@@ -69,7 +70,7 @@ def test_method_flops_equal_torch_flop_counter(pair):
     """Every exported method's matmul FLOPs, bucketed ones included, as torch counts them on the
     eager static methods (the graphs `export` lowers)."""
     target, drafter = pair
-    bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
+    bundle = StaticBundle.build(target.model, drafter.model, SHAPES, EXPORT)
     cfg, slots = target.cfg, bundle.cache.slots
     whole, bucket = static_cache_keys(slots), static_cache_keys(slots, 24)
     expected = {
@@ -107,7 +108,7 @@ def test_method_scores_equal_the_elements_softmax_runs_over(pair):
     """Attention scores per call (head x row x key read) as the exported methods' softmaxes see
     them, on the eager static methods (the drafter's head has a softmax-free top-k)."""
     target, drafter = pair
-    bundle = StaticBundle.build(target.model, drafter.model, SHAPES)
+    bundle = StaticBundle.build(target.model, drafter.model, SHAPES, EXPORT)
     cfg, whole = target.cfg, static_cache_keys(bundle.cache.slots)
     expected = {
         "prefill_final": forward_work(cfg, range(8), 1, 1, 4.5, whole).scores,

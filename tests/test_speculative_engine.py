@@ -14,7 +14,7 @@ import torch
 from hf_oracle import build_assistant, build_target
 from scipy.stats import chisquare
 
-from edgemtp.model.checkpoint import load_drafter, load_target
+from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.generate import generate
 from edgemtp.runtime.sampling import SamplingParams
 

@@ -1,5 +1,5 @@
 """Host table lookups of GGML Q4_0 / Q8_0 rows (quantize/tables.py's `BlockRows`): the C
-lookup (runtime/kernels/table_rows.cpp) and the numpy form, bit for bit against gguf's own
+lookup (quantize/table_rows.cpp) and the numpy form, bit for bit against gguf's own
 dequantization times the scale in float32."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from edgemtp.model.gemma4 import TokenTables
+from edgemtp.model.tables import TokenTables
 from edgemtp.quantize import tables
 from edgemtp.quantize.gguf_import import Q8_0Rows
-from edgemtp.quantize.tables import Q4_0Rows
-from edgemtp.runtime.kernels import table_rows
+from edgemtp.quantize.tables import Q4_0Rows, table_rows
 
 FORMATS = {"q4_0": (Q4_0Rows, T.Q4_0, 18), "q8_0": (Q8_0Rows, T.Q8_0, 34)}
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.checkpoint import load_target
-from edgemtp.runtime.backends import forward_rows
-from edgemtp.runtime.kv_cache import KVCache
+from edgemtp.model.cache import KVCache
+from edgemtp.model.forward import forward_rows
+from edgemtp.quantize.load import load_target
 from edgemtp.runtime.tokenizer import load_tokenizer
 from edgemtp.train import data, pretrain
 
@@ -167,7 +167,7 @@ def test_training_lowers_loss_and_reaches_every_parameter(data_dir: Path) -> Non
     # the tables are trainable parameters, the token table tied with the head
     names = dict(model.named_parameters())
     assert "per_layer_table" in names and "target.lm_head.weight" in names
-    assert model.tables.tokens is model.target.lm_head.weight
+    assert model.tables.tokens.table is model.target.lm_head.weight
 
 
 def test_batched_forward_equals_per_sequence() -> None:

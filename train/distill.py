@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.checkpoint import Target, load_drafter, load_target
+from edgemtp.model.checkpoint import Target
 from edgemtp.model.config import (
     ASSISTANT_MODEL_TYPE,
     AssistantConfig,
@@ -50,9 +50,11 @@ from edgemtp.model.config import (
     parse_assistant_config,
     read_config_json,
 )
-from edgemtp.model.gemma4 import EmptyCache, Gemma4Drafter, drafter_mask, rope_cos_sin
+from edgemtp.model.gemma4 import EmptyCache, Gemma4Drafter
+from edgemtp.model.primitives import attends
 from edgemtp.model.safetensors_file import TensorEntry, write_tensors
 from edgemtp.model.synth import TRANSFORMERS_LAYOUT_VERSION, _text_dict
+from edgemtp.quantize.load import load_drafter, load_target
 
 CHECKPOINT = "distill-checkpoint.pt"
 REPORT = "distill.json"
@@ -236,9 +238,9 @@ def draft_masks(
     """Per attention kind, [N, S]: each query row sees its own sequence's entries before it."""
     text = drafter.cfg.text
     same = q_seq[:, None] == kv_seq[None, :]
+    window = {"sliding": text.sliding_window + 1}  # as `Gemma4Drafter.masks`
     return {
-        kind: drafter_mask(q_pos, kv_pos, text.sliding_window if kind == "sliding" else None) & same
-        for kind in set(text.layer_types)
+        kind: attends(q_pos - 1, kv_pos, window.get(kind)) & same for kind in set(text.layer_types)
     }
 
 
@@ -250,16 +252,11 @@ def draft_rows(
     kv: dict[int, tuple[Tensor, Tensor]],
     masks: dict[str, Tensor],
 ) -> tuple[Tensor, Tensor]:
-    """`Gemma4Drafter.forward` for N rows at once: token_embed, hidden [N, hidden_t], q_pos [N];
+    """`Gemma4Drafter.step` for N rows at once: token_embed, hidden [N, hidden_t], q_pos [N];
     kv: the target's store-layer K/V the rows may read; masks from `draft_masks`.
     Returns (next hidden [N, hidden_t], final-normed drafter states [N, hidden_d])."""
-    h = drafter.pre_projection(torch.cat([token_embed, hidden], dim=-1))
-    for layer in drafter.layers:
-        kind = layer.spec.attention
-        cos, sin = rope_cos_sin(q_pos, getattr(drafter, f"{kind}_inv_freq"))
-        h, _, _ = layer(h, cos, sin, kv[drafter.stores[kind]], masks[kind], None)
-    h = drafter.norm(h)
-    return drafter.post_projection(h), h
+    segments = {kind: ((kv[i][0],), (kv[i][1],)) for kind, i in drafter.stores.items()}
+    return drafter.step(token_embed, hidden, q_pos, segments, masks)
 
 
 def clustered_argmax(

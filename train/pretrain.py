@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.model.config import TextConfig, parameter_count, parse_text_config
-from edgemtp.model.gemma4 import EmptyCache, Gemma4Target, TokenTables
+from edgemtp.model.gemma4 import EmptyCache, Gemma4Target
 from edgemtp.model.safetensors_file import TensorEntry, write_tensors
 from edgemtp.model.synth import (
     TRANSFORMERS_LAYOUT_VERSION,
@@ -35,6 +35,7 @@ from edgemtp.model.synth import (
     _text_dict,
     tensor_specs,
 )
+from edgemtp.model.tables import TokenTables
 from edgemtp.train import data
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.checkpoint import open_checkpoint
 from edgemtp.model.safetensors_file import TensorEntry, write_tensors
+from edgemtp.quantize.load import open_checkpoint
 
 KEPT_FILES = (
     "generation_config.json",

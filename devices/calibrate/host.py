@@ -115,13 +115,13 @@ def host_costs(quick: bool = False) -> tuple[float, float, float]:
     64 rows: table gathers, input copies) less 8 such calls, per row beyond each call's first,
     the per-row cost. Beside a program that streams a model's weights, not alone: the host side
     runs slower with its caches cleared by each call, as between real program calls."""
-    from edgemtp.export.static import StaticShapes
     from edgemtp.model.checkpoint import target_config
-    from edgemtp.model.gemma4 import TokenTables
+    from edgemtp.model.embedded import TARGET
+    from edgemtp.model.static import StaticShapes
+    from edgemtp.model.tables import TokenTables
     from edgemtp.quantize.q4_0 import pack_q4_0, quantize_q4_0
     from edgemtp.quantize.tables import Int8Rows, Q4_0Rows, quantize_int8_rows
     from edgemtp.runtime.backends import StaticBackend
-    from edgemtp.runtime.demo import TARGET
     from edgemtp.runtime.generate import FixedDepth, decode
     from edgemtp.runtime.sampling import argmax_rows
 

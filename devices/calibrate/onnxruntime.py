@@ -91,7 +91,7 @@ def onnx_attention(threads: int, quick: bool = False) -> tuple[float, float, flo
     import numpy as np
     from onnx import TensorProto, helper
 
-    from edgemtp.export.onnx import flush_denormals
+    from edgemtp.runtime.runners.onnx import flush_denormals
 
     names = ("q", "k_cache", "k_rows", "v_cache", "v_rows", "mask")
 

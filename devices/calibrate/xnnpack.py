@@ -59,7 +59,7 @@ def call_seconds(program: Any, x: torch.Tensor, calls: int, repeat: int = 5) -> 
 
 def int4_linear(n_in: int, n_out: int) -> torch.nn.Module:
     """An int4 linear as export writes one (lowered to XNNPACK's 8da4w), random weights."""
-    from edgemtp.export.executorch import Int4Linear
+    from edgemtp.export.int4 import Int4Linear
 
     codes = torch.randint(-8, 8, (n_out, n_in), dtype=torch.int8)
     scales = torch.rand(n_out, n_in // 32) * 0.01 + 0.001
@@ -218,7 +218,7 @@ class SegmentAttention(torch.nn.Module):
     and each segment's probabilities times its values."""
 
     def forward(self, q, k_cache, k_rows, v_cache, v_rows, mask):  # type: ignore[no-untyped-def]
-        from edgemtp.export.exportable import segment_attention
+        from edgemtp.runtime.kernels.ops import segment_attention
 
         group = q.shape[1] // mask.shape[0]
         return segment_attention(q, (k_cache, k_rows), (v_cache, v_rows), mask, group)

@@ -17,14 +17,12 @@ if(NOT executorch_FOUND OR NOT EXECUTORCH_FOUND)
   return()
 endif()
 
-# edgemtp's own ExecuTorch kernels (runtime/kernels: what `--attention kernel` bundles call)
+# edgemtp's own ExecuTorch kernels (runtime/kernels: what `--kernels edgemtp` bundles call)
 # register themselves with the runtime when linked in.
 file(GLOB EDGEMTP_KERNELS CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/../../../runtime/kernels/*.cpp)
-# (table_rows.cpp is the Python host's table lookup, not a kernel: the engine has its own.)
-list(FILTER EDGEMTP_KERNELS EXCLUDE REGEX "table_rows\\.cpp$")
-# Compiled as the Python runtime compiles them on this host (runtime/kernels/__init__.py's
-# FLAGS): the same vector code, so this engine's numbers are the Python runtime's bit for bit
-# (another vector width sums in another order, and an 8da4w model's near-ties then flip).
+# Compiled as the Python runtime compiles them on this host (native.py's NATIVE_FLAGS): the
+# same vector code, so this engine's numbers are the Python runtime's bit for bit (another
+# vector width sums in another order, and an 8da4w model's near-ties then flip).
 # GCC 12's AVX-512 headers trip its own -Wmaybe-uninitialized (their _mm512_undefined_*).
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64|amd64")
   set(EDGEMTP_KERNEL_FLAGS -O3 -march=native -mprefer-vector-width=512)

@@ -92,7 +92,7 @@ class RingTracker {
 };
 
 // The manifest schema version this core reads: export/bundle.py's SCHEMA_VERSION, the
-// "schema_version" const of export/manifest.schema.json. A newer manifest may mean something
+// "schema_version" const of runtime/manifest.schema.json. A newer manifest may mean something
 // this core would misread, so it is refused rather than guessed at.
 constexpr int kManifestSchemaVersion = 1;
 

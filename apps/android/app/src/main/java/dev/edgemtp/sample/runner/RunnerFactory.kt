@@ -32,7 +32,7 @@ object RunnerFactory {
         if (bundle.kernels.isNotEmpty()) {
             throw BundleException(
                 "${bundle.name} calls edgemtp's own ExecuTorch kernels (${bundle.kernels.joinToString()}), " +
-                    "which the stock ExecuTorch AAR lacks: export it with --attention matmul",
+                    "which the stock ExecuTorch AAR lacks: export it with --kernels xnnpack",
             )
         }
         when (bundle.delegate) {

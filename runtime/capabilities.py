@@ -1,4 +1,5 @@
-"""Which delegates each backend gives on a host, and why a bundle cannot run here.
+"""Which delegates each backend has, which of them a host can run, and why a bundle cannot run
+here.
 
 `why_not(backend, delegate)` answers "can a bundle of this backend and delegate run on this host,
 and if not, why": None, or one line naming the missing OS, package or SDK and what to do. The
@@ -13,6 +14,47 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgemtp.errors import EdgeMTPError
+
+BACKENDS = ("executorch", "coreml", "onnx")
+DELEGATES = ("cpu", "metal", "npu", "htp")
+# Which delegates each backend can target, and what to do instead when it cannot.
+SUPPORTED = {
+    "executorch": {"cpu": "XNNPACK", "metal": "Core ML", "npu": "Core ML", "htp": "QNN"},
+    "coreml": {"cpu": "CPU_ONLY", "metal": "CPU_AND_GPU", "npu": "CPU_AND_NE"},
+    "onnx": {"cpu": "CPU EP", "htp": "QNN EP (QDQ)"},
+}
+
+
+def check_pair(backend: str, delegate: str) -> None:
+    if backend not in SUPPORTED:
+        raise EdgeMTPError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    if delegate not in SUPPORTED[backend]:
+        others = [b for b in BACKENDS if delegate in SUPPORTED[b]]
+        where = "no backend has it"
+        if others:
+            where = f"for {delegate} use --backend {' or '.join(others)}"
+        raise EdgeMTPError(
+            f"--backend {backend} has no '{delegate}' delegate (it has "
+            f"{', '.join(SUPPORTED[backend])}); {where}"
+        )
+
+
+# Core ML's compute units per delegate: the Core ML backend's and ExecuTorch's Core ML delegate's.
+COREML_COMPUTE_UNITS = SUPPORTED["coreml"]
+
+
+def coreml_compute_units(delegate: str) -> str:
+    """The `ct.ComputeUnit` name a delegate maps to (set by the runtime when it loads)."""
+    if delegate == "htp":
+        raise EdgeMTPError(
+            "Core ML has no Qualcomm delegate; use --backend executorch or onnx with --delegate htp"
+        )
+    if delegate not in COREML_COMPUTE_UNITS:
+        raise EdgeMTPError(
+            f"unknown delegate '{delegate}' for Core ML (choose {', '.join(COREML_COMPUTE_UNITS)})"
+        )
+    return COREML_COMPUTE_UNITS[delegate]
+
 
 EXECUTORCH_BACKENDS = {"cpu": "XnnpackBackend", "metal": "CoreMLBackend", "npu": "CoreMLBackend"}
 EXECUTORCH_BACKENDS["htp"] = "QnnBackend"
@@ -59,8 +101,6 @@ def macos_missing(system: str, version: str, what: str = "running a Core ML bund
 def why_not(backend: str, delegate: str, host: Host | None = None) -> str | None:
     """None when a `backend` bundle for `delegate` can run on `host` (default: this one),
     else one line saying what is missing and what to do."""
-    from edgemtp.export.bundle import SUPPORTED, check_pair
-
     if backend not in SUPPORTED:
         check_pair(backend, delegate)  # raises: unknown backend
     try:
@@ -87,14 +127,6 @@ def require(backend: str, delegate: str, host: Host | None = None) -> None:
     why = why_not(backend, delegate, host)
     if why is not None:
         raise EdgeMTPError(why)
-
-
-def runnable_here(host: Host | None = None) -> dict[str, dict[str, str | None]]:
-    """backend -> delegate -> None (runs here) or why not: the host's whole capability table."""
-    from edgemtp.export.bundle import SUPPORTED
-
-    host = host or Host.detect()
-    return {b: {d: why_not(b, d, host) for d in ds} for b, ds in SUPPORTED.items()}
 
 
 def _executorch(delegate: str, host: Host) -> str | None:

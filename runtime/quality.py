@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from edgemtp.model.cache import KVCache
 from edgemtp.model.checkpoint import Drafter, Target, TensorSource
 from edgemtp.quantize.checkpoint import is_linear, is_table
 from edgemtp.runtime.generate import generate
-from edgemtp.runtime.kv_cache import KVCache
 
 _ROW_CHUNK = 8192
 

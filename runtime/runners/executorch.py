@@ -1,9 +1,4 @@
-"""Runners: what executes a bundle's static methods, for `runtime.backends.StaticBackend`.
-
-`EagerRunner` runs the static wrappers in eager PyTorch (the numerical reference of every
-lowered form); `ExecuTorchRunner` runs a .pte with ExecuTorch's Python runtime. The ONNX and
-Core ML runners live beside their lowering (`export/onnx.py`, `export/coreml.py`).
-"""
+"""Runs a bundle's ExecuTorch program with ExecuTorch's Python runtime."""
 
 from __future__ import annotations
 
@@ -11,24 +6,10 @@ import ctypes
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.static import StaticBundle, StaticShapes
-
-
-class EagerRunner:
-    """Runs the static wrappers in eager PyTorch."""
-
-    def __init__(self, bundle: StaticBundle):
-        self.shapes = bundle.shapes
-        self.methods = {name: m for name, (m, _) in bundle.methods(debug=True).items()}
-
-    def call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
-        with torch.no_grad():
-            out = self.methods[method](*inputs)
-        return out if isinstance(out, tuple) else (out,)
+from edgemtp.model.static import StaticShapes
 
 
 class ExecuTorchRunner:
@@ -138,6 +119,16 @@ def _delegate_backends(pte: Path | bytes) -> list[str]:
 
 
 def _program_kernels(pte: Path | bytes, namespace: str) -> list[str]:
-    from edgemtp.export.executorch import program_kernels
-
     return program_kernels(_program(pte), namespace)
+
+
+def program_kernels(program: Any, namespace: str = "") -> list[str]:
+    """The operators (`ns::name.overload`) whose kernels an ExecuTorch `Program` calls."""
+    return sorted(
+        {
+            f"{op.name}.{op.overload}" if op.overload else op.name
+            for plan in program.execution_plan
+            for op in plan.operators
+            if op.name.startswith(namespace)
+        }
+    )

@@ -1,0 +1,186 @@
+"""The concepts of the model body and how the reference computes each: a backend form's table.
+
+The model body (`gemma4.py`) and the static methods (`static.py`) name each computation by
+concept — `ops.norm`, `ops.heads`, `ops.attention`, ... — and never say how it is done. A
+`Primitives` class is one backend form's table: concept by concept, the function it lowers to
+(the reference below: plain PyTorch; the export forms: `export/forms.py`). Every function takes
+the table itself first, so a concept can be built from the table's other primitives (the
+reference's `heads` is its `linear`, then its `norm`, then RoPE).
+
+A `Form` is what a backend needs of it: the table for decode, verify and draft steps, the table
+for prompt chunks (a backend may run them in different kernels), how it stores the weights
+(`prepare`, applied once by `apply_form`) and the KV cache's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Segments = tuple[Tensor, ...]  # K or V in pieces along the key axis (the cache, a call's rows)
+KV = tuple[Segments, Segments]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin [T, 1, head_dim], shaped once to broadcast over every layer's heads (an
+    exported program would otherwise copy them into that shape in every layer)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def attends(q_pos: Tensor, kv_pos: Tensor, window: int | None) -> Tensor:
+    """Causal (and sliding-window) mask from positions: [T, S], True where a row attends.
+    An empty slot has position -1."""
+    m = (kv_pos[None, :] >= 0) & (kv_pos[None, :] <= q_pos[:, None])
+    if window is not None:
+        m &= q_pos[:, None] - kv_pos[None, :] < window
+    return m
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """The reference RMSNorm, in float32 whatever x's dtype (as transformers computes it)."""
+    y = x.float()
+    y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.float()
+    return y.type_as(x)
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class Primitives:
+    """The reference form: every concept in plain PyTorch, as transformers computes it.
+
+    Concepts (the body calls exactly these):
+    - `norm(norm, x)`: RMSNorm; `add_norm(h, norm, y, scale)`: (h + norm(y)) [* scale];
+    - `linear(linear, x)`: x W^T; `gated_linear(linear, gate, up)`: linear(gelu_tanh(gate) up);
+    - `gate_up(mlp, x)`: the MLP's gate and up projections of x;
+    - `heads(attn, x, cos, sin, q, kv)`: the projected, normed and rotated query heads and new
+      key/value heads of x (None where not asked), in the layout `attention` reads;
+    - `extend(past, new)`: what a row attends to, the cache's segments then the new rows;
+    - `attention(q, keys, values, mask)`: [rows, heads * head_dim], scale 1.0;
+    - `mask(q_pos, kv_pos, window)`: which keys each row attends to, in `attention`'s form;
+    - `rope(positions, inv_freq, dtype)`: cos and sin;
+    - `head_logits(lm_head, ids, h)`: the logits of tokens `ids` for one state h;
+    - `scatter(buffer, slots, rows)`: rows [heads, T, d] into buffer slots [T] along dim 1.
+    """
+
+    def norm(self, norm: nn.Module, x: Tensor) -> Tensor:
+        return rms_norm(x, norm.weight, norm.eps)
+
+    def add_norm(
+        self, h: Tensor, norm: nn.Module, y: Tensor, scale: Tensor | None = None
+    ) -> Tensor:
+        out = h + self.norm(norm, y)
+        return out if scale is None else out * scale
+
+    def linear(self, linear: nn.Module, x: Tensor) -> Tensor:
+        return linear(x)
+
+    def gated_linear(self, linear: nn.Module, gate: Tensor, up: Tensor) -> Tensor:
+        return self.linear(linear, gelu_tanh(gate) * up)
+
+    def gate_up(self, mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.linear(mlp.gate_proj, x), self.linear(mlp.up_proj, x)
+
+    def heads(
+        self, attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, q: bool = True, kv: bool = True
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """q [heads, T, head_dim]; k, v [kv_heads, T, head_dim]."""
+        shape = (x.shape[0], -1, attn.spec.head_dim)
+        queries = keys = values = None
+        if kv:
+            k = self.linear(attn.k_proj, x).view(shape)
+            v = k if attn.spec.k_eq_v else self.linear(attn.v_proj, x).view(shape)
+            keys = apply_rope(self.norm(attn.k_norm, k), cos, sin).transpose(0, 1)
+            values = self.norm(attn.v_norm, v).transpose(0, 1)
+        if q:
+            queries = self.linear(attn.q_proj, x).view(shape)
+            queries = apply_rope(self.norm(attn.q_norm, queries), cos, sin).transpose(0, 1)
+        return queries, keys, values
+
+    def extend(self, past: Segments, new: Tensor) -> Segments:
+        return (torch.cat([*past, new], dim=1),)
+
+    def attention(self, q: Tensor, keys: Segments, values: Segments, mask: Tensor) -> Tensor:
+        k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
+        v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+    def mask(self, q_pos: Tensor, kv_pos: Tensor, window: int | None) -> Tensor:
+        return attends(q_pos, kv_pos, window)
+
+    def rope(
+        self, positions: Tensor, inv_freq: Tensor, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(positions, inv_freq)
+
+    def head_logits(self, lm_head: nn.Module, ids: Tensor, h: Tensor) -> Tensor:
+        return lm_head.weight[ids] @ h
+
+    def scatter(self, buffer: Tensor, slots: Tensor, rows: Tensor) -> None:
+        buffer.index_copy_(1, slots, rows.to(buffer.dtype))
+
+
+REFERENCE = Primitives()
+
+
+def keep_weights(model: nn.Module) -> dict[str, Any]:
+    """The reference's `prepare`: the weights stay the loaded float tensors."""
+    return {}
+
+
+@dataclass(frozen=True)
+class Form:
+    """A backend form: its primitives for steps (decode, verify, draft) and for prompt chunks,
+    how it stores the weights, and the dtype its KV cache keeps."""
+
+    name: str
+    step: Primitives
+    chunk: Primitives
+    prepare: Callable[[nn.Module], dict[str, Any]] = keep_weights
+    cache_dtype: torch.dtype = torch.float32
+    # Attention reads a context bucket's slots off the whole cache buffer (the mask's width
+    # says how many), so the cache hands out its buffers unsliced.
+    reads_cache_prefix: bool = False
+    # The cache is the program's state (Core ML): fp16 states cannot hold slot positions, so
+    # the host keeps them, as method inputs and outputs.
+    cache_as_states: bool = False
+
+
+REFERENCE_FORM = Form("reference", REFERENCE, REFERENCE)
+
+
+def apply_form(models: list[nn.Module], form: Form) -> dict[str, Any]:
+    """Convert the models' weights (in place) to what `form` computes with; returns what was
+    converted, summed over the models. The models then belong to that form."""
+    total: dict[str, Any] = {}
+    for model in models:
+        for key, value in form.prepare(model).items():
+            if isinstance(value, dict):
+                merged = total.setdefault(key, {})
+                for k, n in value.items():
+                    merged[k] = merged.get(k, 0) + n
+            elif isinstance(value, list):
+                total[key] = total.get(key, []) + value
+            elif isinstance(value, int | float):
+                total[key] = total.get(key, 0) + value
+            else:
+                total[key] = total.get(key) or value
+    return total
