@@ -28,7 +28,9 @@ from oracle_drafts import greedy
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export import coreml
+from edgemtp.export.forms import COREML
 from edgemtp.export.weights import attach_int4, int4_of
+from edgemtp.model.gemma4 import RMSNorm
 from edgemtp.model.static import StaticBundle, StaticShapes
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
@@ -37,6 +39,8 @@ from edgemtp.runtime.backends import StaticBackend
 from edgemtp.runtime.capabilities import coreml_compute_units
 from edgemtp.runtime.generate import generate
 from edgemtp.runtime.runners.coreml import (
+    INT4_OP,
+    SPEC_VERSION_IOS18,
     CoreMLRunner,
     dequantize,
     package_weights,
@@ -74,8 +78,11 @@ def _load(pair):
 
 
 def _lower(pair, out, only=None, delegate="metal"):
+    """Lower a bundle of `pair`; returns the pair loaded afresh (lowering puts the bundle's own
+    models in the Core ML form), the bundle, what lowering returned."""
+    lowered_pair = _load(pair)
+    static = StaticBundle.build(lowered_pair[0].model, lowered_pair[1].model, SHAPES)
     target, drafter = _load(pair)
-    static = StaticBundle.build(target.model, drafter.model, SHAPES)
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         lowered = coreml.lower_coreml(static, delegate, out, lambda _msg: None, only=only)
@@ -109,7 +116,7 @@ def test_package_structure(q4):
     target, drafter, static, lowered, package = q4
     report = validate_mlpackage(package)
     assert report == lowered.details["package"]
-    assert report["specification_version"] == coreml.SPEC_VERSION_IOS18
+    assert report["specification_version"] == SPEC_VERSION_IOS18
     assert report["opset"] == ["CoreML8"]  # iOS 18 / macOS 15
     names = [n for n in static.methods() if n != "cache_state"]
     assert list(report["functions"]) == names
@@ -153,7 +160,7 @@ def test_package_structure(q4):
         c = SHAPES.chunk
         if name == "prefill_intermediate":
             assert fn["inputs"] == rows(c)
-            assert fn["outputs"] == {"length": {"shape": [1], "dtype": "int32"}, **new_pos}
+            assert fn["outputs"] == {"cache_length": {"shape": [1], "dtype": "int32"}, **new_pos}
         elif name == "prefill_final":
             assert fn["inputs"] == rows(c)
             assert fn["outputs"] == {
@@ -179,7 +186,7 @@ def test_package_structure(q4):
             }
             assert fn["outputs"] == {
                 "next_hidden": {"shape": [h], "dtype": "float16"},
-                "ids": {"shape": [head], "dtype": "int32"},
+                "token_ids": {"shape": [head], "dtype": "int32"},
                 "logits": {"shape": [head], "dtype": "float16"},
             }
         # Every function writes every K/V state (the drafter only its trash slots).
@@ -215,7 +222,7 @@ def test_int4_op_count_per_function(q4):
         **{f"verify_{k}": len(t4) for k in SHAPES.verify_depths()},
         "draft_step": len(d4),
     }
-    got = {n: f["ops"].get(coreml.INT4_OP, 0) for n, f in report["functions"].items()}
+    got = {n: f["ops"].get(INT4_OP, 0) for n, f in report["functions"].items()}
     assert got == expected
 
 
@@ -255,7 +262,7 @@ def test_package_holds_one_copy_of_the_weights(q4):
                 )
     report = lowered.details["package"]
     for fn in report["functions"].values():
-        uses += fn["ops"].get(coreml.INT4_OP, 0)
+        uses += fn["ops"].get(INT4_OP, 0)
     size = (package / "Data/com.apple.CoreML/weights/weight.bin").stat().st_size
     assert size == report["weight_bytes"]
     # One copy (measured +7%: 64-byte blob headers and alignment, norm weights, small consts;
@@ -283,7 +290,7 @@ def test_deployment_and_compute_units(q4):
         assert dtypes["sin"] == dtypes["cos"] == ["fp32"], name
         for op in ("linear", "softmax", "rsqrt", "reduce_mean", "gelu", "matmul"):
             assert dtypes[op] == ["fp16"], (name, op)
-        assert dtypes[coreml.INT4_OP] == ["fp16"], name
+        assert dtypes[INT4_OP] == ["fp16"], name
 
 
 @pytest.mark.skipif(platform.system() == "Darwin", reason="Core ML runs on macOS")
@@ -379,14 +386,15 @@ def test_q4_0_numerics(paths, q4, depth, dtype):
 
 def test_fp16_rmsnorm_does_not_overflow():
     """fp16 squares overflow past 256; the Core ML form scales by 1/max|x| first."""
-    norm = coreml.CoreMLRMSNorm(256, 1e-6)
+    norm = RMSNorm(256, 1e-6)
     norm.weight.data = torch.rand(256) + 0.5
     x = torch.randn(3, 256) * torch.tensor([[1e-3], [1.0], [3e3]])
     x[:, 0] = torch.tensor([0.0, 5.0, 6e4])  # one large outlier channel, then zeros
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
-    got = norm.half()(x.half()).float()
+    ops = COREML.step
+    got = ops.norm(norm.half(), x.half()).float()
     torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=4e-3)
-    zero = norm(torch.zeros(2, 256, dtype=torch.float16))  # padding rows stay finite
+    zero = ops.norm(norm, torch.zeros(2, 256, dtype=torch.float16))  # padding rows stay finite
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
@@ -407,7 +415,7 @@ def test_quant_none_is_fp16(paths, none_pkg):
     report = lowered.details["package"]
     assert list(report["functions"]) == ["draft_step"]
     assert lowered.details["compute_units"] == "CPU_AND_NE"
-    assert coreml.INT4_OP not in report["functions"]["draft_step"]["ops"]
+    assert INT4_OP not in report["functions"]["draft_step"]["ops"]
     assert "int4" not in report["weight_blobs"] and lowered.details["int4_linears"] == 0
     assert lowered.numerics["weights"].startswith("fp16")
     stored = package_weights(package)
