@@ -2,6 +2,7 @@
 
     python benchmarks/peers/run.py [--work DIR] [--repeats 5] [--threads 2]
         [--systems llama.cpp edgemtp executorch-example transformers] [--report-only]
+        [--baseline PYTHON]
 
 From a fresh clone (the venv of the README's test command):
 1. `edgemtp synth --preset peer-90m` (BRIEF §10's "PEER-90M", random weights, bf16), with a
@@ -26,6 +27,11 @@ prompt of that length). llama.cpp through `llama-bench -r 1` (`-p 512,2048 -n 12
 tokens), the ExecuTorch example and transformers token by token from Python (argmax on the
 host); decode tok/s = (n_out - 1) / (t_end - t_first) as everywhere in edgemtp. Each step of
 the setup is cached in `--work` and reused. Writes benchmarks/results/peers.{json,md,png}.
+
+`--baseline PYTHON`: one more system, "edgemtp-baseline", the edgemtp that PYTHON imports (a
+venv over a checkout of another commit, e.g. the one before a change): it exports its own bundle
+from the same GGUF and runs in its own processes, interleaved with the others, so a change is
+measured side by side with what it changed (written to peers-baseline.{json,md,png}).
 """
 
 from __future__ import annotations
@@ -172,6 +178,29 @@ def setup(work: Path, threads: int) -> dict[str, Path]:
              "--out", str(bundle), "--force"], stream=True)  # fmt: skip
         stamp.write_text(commit)
     return {"checkpoint": ckpt, "llama_bench": bench, "gguf": q4, "bundle": bundle}
+
+
+def edgemtp_commit_of(python: str) -> str:
+    """The commit of the edgemtp tree `python` imports (with `+dirty` for uncommitted .py)."""
+    code = "import edgemtp, os; print(os.path.dirname(edgemtp.__file__))"
+    root = run([python, "-c", code]).strip()
+    head = run(["git", "-C", root, "rev-parse", "HEAD"]).strip()
+    dirty = run(["git", "-C", root, "status", "--porcelain", "--", "*.py"]).strip()
+    return head + ("+dirty" if dirty else "")
+
+
+def setup_baseline(work: Path, gguf: Path, python: str) -> Path:
+    """The bundle the baseline edgemtp exports from the same GGUF, with the same flags."""
+    bundle = work / "edgemtp-baseline-q4_0-executorch"
+    stamp = work / "edgemtp-baseline-q4_0-executorch.commit"
+    commit = edgemtp_commit_of(python)
+    fresh = stamp.is_file() and stamp.read_text() == commit
+    if not (bundle / "manifest.json").is_file() or not fresh:
+        run([python, "-m", "edgemtp.cli", "export", "--model", str(gguf), "--quant", "auto",
+             "--backend", "executorch", "--delegate", "cpu", "--max-context", "4096",
+             "--prefill-chunk", "128", "--out", str(bundle), "--force"], stream=True)  # fmt: skip
+        stamp.write_text(commit)
+    return bundle
 
 
 def setup_executorch_example(work: Path, ckpt: Path) -> Path:
@@ -327,16 +356,21 @@ def llama_cpp_once(bench: Path, gguf: Path, threads: int) -> dict[str, Any]:
     return out
 
 
-def measure(paths: dict[str, Path], systems: list[str], repeats: int, threads: int) -> dict:
+def measure(
+    paths: dict[str, Path], systems: list[str], repeats: int, threads: int, baseline: str | None
+) -> dict:
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for r in range(repeats):
         for system in systems:
             log(f"repeat {r + 1}/{repeats}: {system}")
             if system == "llama.cpp":
                 runs[system].append(llama_cpp_once(paths["llama_bench"], paths["gguf"], threads))
-            else:
-                cmd = [sys.executable, __file__, "--child", system, str(paths[CHILD_INPUT[system]])]
-                runs[system].append(json.loads(run([*cmd, "--threads", str(threads)])))
+                continue
+            python, child = sys.executable, system
+            if system == BASELINE:  # another edgemtp, in its own interpreter
+                python, child = baseline or sys.executable, "edgemtp"
+            cmd = [python, __file__, "--child", child, str(paths[CHILD_INPUT[system]])]
+            runs[system].append(json.loads(run([*cmd, "--threads", str(threads)])))
     return runs
 
 
@@ -346,7 +380,9 @@ CHILDREN = {
     "executorch-example": executorch_example_child,
     "transformers": transformers_child,
 }
+BASELINE = "edgemtp-baseline"
 CHILD_INPUT = {"edgemtp": "bundle", "executorch-example": "et_pte", "transformers": "checkpoint"}
+CHILD_INPUT[BASELINE] = "baseline_bundle"
 
 KEYS = [f"pp{n}" for n in PROMPTS] + [f"tg{TG}"] + [f"ms_at_{d}" for d in DEPTHS]
 
@@ -407,6 +443,12 @@ def report(result: dict) -> str:
             f"({100 * min(shares):.1f}-{100 * max(shares):.1f} % per repeat; the runtime's phase "
             "meter, same run)"
         )
+    if BASELINE in med and "edgemtp" in med:
+        lines.append(
+            "\nPer repeat, then the median (range): edgemtp / edgemtp-baseline "
+            f"({result.get('baseline_commit', '?')[:12]}) "
+            + _paired(result, "edgemtp", BASELINE, [f"pp{n}" for n in PROMPTS] + [f"tg{TG}"])
+        )
     if "executorch-example" in med and "edgemtp" in med:
         ratio = med["edgemtp"]["tg128"] / med["executorch-example"]["tg128"]
         lines.append(f"\nedgemtp / ExecuTorch's example: tg128 {ratio:.2f}x")
@@ -454,11 +496,15 @@ def main() -> None:
     parser.add_argument(
         "--report-only", action="store_true", help="redraw peers.md/png from peers.json"
     )
+    parser.add_argument(
+        "--baseline", metavar="PYTHON", help="also measure the edgemtp this Python imports"
+    )
     args = parser.parse_args()
+    stem = RESULTS / ("peers-baseline" if args.baseline else "peers")
     if args.report_only:
-        result = json.loads((RESULTS / "peers.json").read_text())
+        result = json.loads(stem.with_suffix(".json").read_text())
         text = report(result)
-        write_report(RESULTS / "peers", text, partial(plot, result))
+        write_report(stem, text, partial(plot, result))
         print(text)
         return
     if args.child:
@@ -468,10 +514,15 @@ def main() -> None:
     paths = setup(args.work, args.threads)
     if "executorch-example" in args.systems:
         paths["et_pte"] = setup_executorch_example(args.work, paths["checkpoint"])
-    runs = measure(paths, args.systems, args.repeats, args.threads)
+    systems = list(args.systems)
+    if args.baseline:
+        paths["baseline_bundle"] = setup_baseline(args.work, paths["gguf"], args.baseline)
+        systems.insert(systems.index("edgemtp") + 1 if "edgemtp" in systems else 0, BASELINE)
+    runs = measure(paths, systems, args.repeats, args.threads, args.baseline)
     result = {
         "command": "python " + " ".join(sys.argv),
         "edgemtp_commit": source_commit(),
+        "baseline_commit": edgemtp_commit_of(args.baseline) if args.baseline else None,
         "date": datetime.date.today().isoformat(),
         "machine": machine(args.threads),
         "threads": args.threads,
@@ -482,7 +533,7 @@ def main() -> None:
         "medians": summarize(runs),
     }
     text = report(result)
-    write_results(RESULTS / "peers", result, text, partial(plot, result))
+    write_results(stem, result, text, partial(plot, result))
     print(text)
 
 
