@@ -778,10 +778,10 @@ def replay_vectors(vectors: Mapping[str, Any]) -> dict[str, int]:
 
 
 def python_methods(shapes: StaticShapes, has_drafter: bool) -> list[str]:
-    """The methods every export for `shapes` holds and a decode engine requires (ExecuTorch
-    exports since 2026-12-02 also hold bucketed prefill methods, called where present)."""
-    names = ["prefill_intermediate", "prefill_final"]
+    """The methods every export for `shapes` holds and a decode engine requires."""
+    names = []
     for bucket in (None, *shapes.context_buckets):
+        names += [bucketed(m, bucket) for m in ("prefill_intermediate", "prefill_final")]
         names += [bucketed(f"verify_{k}", bucket) for k in shapes.verify_depths()]
         names += [bucketed("draft_step", bucket)] if has_drafter else []
     return sorted(names)
@@ -844,10 +844,6 @@ def manifest_mismatches(
         "has_drafter": drafter is not None,
         "methods": sorted(manifest["methods"]),
         "required_methods": python_methods(shapes, drafter is not None),
-        "called_methods": sorted(
-            {*python_methods(shapes, drafter is not None)}
-            | {m for m in manifest["methods"] if m.startswith("prefill_") and "_ctx" in m}
-        ),
     }
     problems = [
         f"{key}: core {core.get(key)!r}, manifest/Python {value!r}"

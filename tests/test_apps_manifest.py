@@ -180,21 +180,6 @@ def test_bucketed_copy_exercises_every_bucket(core, executorch_bucketed_manifest
     assert prefill[96] == "prefill_final"
 
 
-def test_bucketed_manifest_without_prefill_buckets_prefills_whole(core, tmp_path):
-    """A bucketed export from before prefill had buckets: the core still takes it (its
-    required methods are there) and prefills through the whole-cache methods."""
-    manifest = with_context_buckets(json.loads(EXECUTORCH_SEED.read_text()), SEED_BUCKETS)
-    for table in ("methods", "method_io"):
-        kept = [k for k in manifest[table] if not k.startswith("prefill_") or "_ctx" not in k]
-        manifest[table] = {k: manifest[table][k] for k in kept}
-    path = tmp_path / "manifest.json"
-    path.write_text(json.dumps(manifest))
-    seen = understood(core, path)
-    assert manifest_mismatches(seen, manifest) == []
-    assert {r["prefill"] for r in seen["rounds"] if "prefill" in r} == {"prefill_final"}
-    assert seen["called_methods"] == seen["required_methods"] == seen["methods"]
-
-
 def test_explicit_rounds_match_static_shapes(core, executorch_bucketed_manifest):
     manifest = json.loads(executorch_bucketed_manifest.read_text())
     queries = ["0:1", "1:31", "2:34", "2:64", "2:65", "2:96", "3:40", "2:97", "1:1"]
@@ -365,7 +350,6 @@ def test_core_understands_the_manifest_export_writes(name, core, validator, requ
     assert (seen["backend"], seen["delegate"], seen["program"]) == (backend, delegate, program)
     assert seen["has_drafter"] and seen["max_draft"] == 2
     # An export holds exactly the methods the decoder calls: none missing, none extra.
-    assert seen["methods"] == seen["called_methods"]
-    assert set(seen["required_methods"]) <= set(seen["methods"])
+    assert seen["methods"] == seen["required_methods"]
     depths = {r["depth"] for r in seen["rounds"]}
     assert depths == {0, 1, 2} and not any("error" in r for r in seen["rounds"])

@@ -327,30 +327,15 @@ BundleConfig BundleConfig::from_manifest_text(std::string_view text) {
 std::vector<std::string> BundleConfig::required_methods() const {
   std::vector<std::optional<int>> buckets{std::nullopt};
   buckets.insert(buckets.end(), shapes.context_buckets.begin(), shapes.context_buckets.end());
-  std::vector<std::string> out{"prefill_final", "prefill_intermediate"};
+  std::vector<std::string> out;
   for (std::optional<int> b : buckets) {
+    out.push_back(bucketed("prefill_final", b));
+    out.push_back(bucketed("prefill_intermediate", b));
     for (int k : shapes.verify_depths()) out.push_back(bucketed("verify_" + std::to_string(k), b));
     if (has_drafter) out.push_back(bucketed("draft_step", b));
   }
   std::sort(out.begin(), out.end());
   return out;
-}
-
-std::vector<std::string> BundleConfig::called_methods() const {
-  std::vector<std::string> out = required_methods();
-  for (const std::string& name : methods) {
-    if (name.rfind("prefill_", 0) == 0 && name.find("_ctx") != std::string::npos) {
-      out.push_back(name);
-    }
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-std::string BundleConfig::prefill_method(bool final, int end) const {
-  std::string name = shapes.prefill_method(final, end);
-  if (std::binary_search(methods.begin(), methods.end(), name)) return name;
-  return final ? "prefill_final" : "prefill_intermediate";
 }
 
 // --- rows --------------------------------------------------------------------------------------
@@ -415,13 +400,13 @@ void Decoder::prefill(const std::vector<int>& ids, int start, Generation& out) {
   for (int i = 0; i < last_start; i += chunk) {
     std::vector<int> rows(ids.begin() + i, ids.begin() + i + chunk);
     out.prefill_calls.push_back(
-        row_call(config_.prefill_method(false, start + i + chunk), rows, start + i, 0));
+        row_call(config_.shapes.prefill_method(false, start + i + chunk), rows, start + i, 0));
     model_.prefill_intermediate(out.prefill_calls.back());
   }
   std::vector<int> rows(ids.begin() + last_start, ids.end());
   int pad = chunk - static_cast<int>(rows.size());
   out.prefill_calls.push_back(
-      row_call(config_.prefill_method(true, start + n), rows, start + last_start, pad));
+      row_call(config_.shapes.prefill_method(true, start + n), rows, start + last_start, pad));
   LogitsRow logits = model_.prefill_final(out.prefill_calls.back());
   check_row(logits, "prefill_final");
   out.first_token = sampling_.greedy()

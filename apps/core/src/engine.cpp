@@ -232,7 +232,7 @@ struct Engine::Impl : public Model {
   void read_method_io() {
     const json::Value& method_io = member(manifest, "method_io", "manifest");
     const json::Value& logical = member(manifest, "methods", "manifest");
-    for (const std::string& method : config.called_methods()) {
+    for (const std::string& method : config.required_methods()) {
       const std::string where = "method_io." + method;
       const json::Value* declared = method_io.find(method);
       const json::Value& signature = member(logical, method, "methods");

@@ -148,6 +148,7 @@ const char* kManifest = R"({
             "layers": [{"attention": "sliding"}, {"attention": "full"}]},
   "drafter": {"num_layers": 2},
   "methods": {"prefill_intermediate": {}, "prefill_final": {}, "verify_0": {}, "verify_3": {},
+              "prefill_intermediate_ctx32": {}, "prefill_final_ctx32": {},
               "verify_0_ctx32": {}, "verify_3_ctx32": {}, "draft_step": {},
               "draft_step_ctx32": {}}
 })";
@@ -197,7 +198,7 @@ void test_manifest() {
   CHECK_EQ(m.program, std::string("model.pte"));
   CHECK(m.shapes.context_buckets == std::vector<int>({32}));
   CHECK(m.methods == m.required_methods());
-  CHECK_EQ(m.methods.size(), 8u);
+  CHECK_EQ(m.methods.size(), 10u);
   CHECK_EQ(m.methods.front(), std::string("draft_step"));
 
   CHECK(refused(edited("\"schema_version\": 1", "\"schema_version\": 2"),
@@ -212,6 +213,8 @@ void test_manifest() {
   CHECK(refused(edited("\"program\": \"model.pte\",", ""), "manifest: missing program"));
   CHECK(refused(edited("\"shapes\"", "\"sizes\""), "manifest: missing shapes"));
   CHECK(refused(edited("\"verify_3_ctx32\": {}, ", ""), "no method 'verify_3_ctx32'"));
+  CHECK(refused(edited("\"prefill_final_ctx32\": {}", "\"other\": {}"),
+                "no method 'prefill_final_ctx32'"));
   CHECK(refused(edited("\"draft_step\": {},", ""), "no method 'draft_step'"));
   CHECK(refused(edited("\"drafter\": {\"num_layers\": 2}", "\"drafter\": null"),
                 "drafter is null but the program has a draft_step method"));

@@ -99,7 +99,7 @@ Value round_json(const edgemtp::BundleConfig& config, const RoundQuery& q) {
                          ")");
     return Value(std::move(row));
   }
-  row["prefill"] = Value(config.prefill_method(true, q.end));  // a prompt ending there
+  row["prefill"] = Value(config.shapes.prefill_method(true, q.end));  // a prompt ending there
   try {
     edgemtp::MethodChoice verify = shapes.verify_method(q.depth, q.end);
     row["verify"] = Value(verify.method);
@@ -136,7 +136,6 @@ Value understanding(const edgemtp::BundleConfig& config, const std::vector<Round
       {"has_drafter", Value(config.has_drafter)},
       {"methods", json_strings(config.methods)},
       {"required_methods", json_strings(config.required_methods())},
-      {"called_methods", json_strings(config.called_methods())},
       {"rounds", Value(std::move(rounds))},
   });
 }

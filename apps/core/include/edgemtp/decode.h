@@ -55,8 +55,7 @@ struct Shapes {
   // The draft-step method for a step at `position` (it reads positions < position).
   std::string draft_method(int position) const;
   // The prefill method (prefill_final when `final`, else prefill_intermediate) for a chunk
-  // whose rows end before `end`; bundles exported before prefill had buckets lack it (see
-  // BundleConfig::prefill_method).
+  // whose rows end before `end`.
   std::string prefill_method(bool final, int end) const;
 };
 
@@ -133,15 +132,10 @@ struct BundleConfig {
   // object of conformance vectors. Throws Error naming the first missing or malformed field.
   static BundleConfig from_decode_fields(const json::Value& fields);
 
-  // Every method the decoder may call for these shapes, sorted: prefill_intermediate,
+  // Every method the decoder calls for these shapes, sorted: prefill_intermediate,
   // prefill_final, verify_<depth> per verify depth and draft_step (with a drafter), each
-  // also per context bucket (verify_3_ctx512, draft_step_ctx512).
+  // also per context bucket (prefill_final_ctx512, verify_3_ctx512, draft_step_ctx512).
   std::vector<std::string> required_methods() const;
-  // Every method the decoder calls in this program: required_methods and the bucketed prefill
-  // methods the program has (bundles exported since 2026-12-02), sorted.
-  std::vector<std::string> called_methods() const;
-  // Shapes::prefill_method where the program has it, else the whole-cache prefill method.
-  std::string prefill_method(bool final, int end) const;
 };
 
 // One call of a row method (a prefill chunk or a verify round): `rows` real rows at positions

@@ -15,7 +15,7 @@
 
 namespace edgemtp::ios {
 
-// MLComputeUnits a bundle's delegate asks for: export/coreml.py's COMPUTE_UNITS.
+// MLComputeUnits a bundle's delegate asks for: runtime/capabilities.py's COREML_COMPUTE_UNITS.
 enum class ComputeUnits { kCpuOnly, kCpuAndGpu, kCpuAndNeuralEngine };
 
 // cpu -> CPU_ONLY, metal -> CPU_AND_GPU, npu -> CPU_AND_NE. Throws Error for htp (Core ML has
