@@ -474,7 +474,6 @@ def test_each_cpu_gets_its_own_build(monkeypatch):
     assert native.build_key(cxx, kernels.FLAGS, files, ()) != here
 
 
-
 @pytest.mark.parametrize(
     ("cxx", "message"),
     [("/nonexistent/c++", "CXX=/nonexistent/c++ was not found"), ("false", "failed")],
