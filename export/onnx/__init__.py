@@ -34,7 +34,6 @@ qualified name and therefore the same in every method.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -57,6 +56,16 @@ from torch.utils._pytree import tree_flatten
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.forms import ONNX
 from edgemtp.export.lowered import Lowered, Progress
+from edgemtp.export.onnx.graph import (
+    MS_DOMAIN,
+    ONNX_TYPE,
+    OPSET,
+    WEIGHTS,
+    Graph,
+    Packed,
+    WeightFile,
+    dtype_name,
+)
 from edgemtp.export.onnx_norm import rms_norm_op
 from edgemtp.export.weights import Int4Weight, int4_of
 from edgemtp.model.static import StaticBundle, method_io
@@ -64,60 +73,15 @@ from edgemtp.model.tables import TokenTables
 from edgemtp.runtime.backends import StaticBackend
 from edgemtp.runtime.runners.onnx import INDEX, OnnxRunner, range_union
 
-OPSET = 21  # blockwise int4 DequantizeLinear, uint16 Q/DQ, Gelu(approximate)
-MS_DOMAIN = "com.microsoft"
 FOLDER = "onnx"  # everything this backend writes lives in out_dir/onnx
-WEIGHTS = "weights.bin"
-ALIGN = 64  # byte alignment of every tensor in weights.bin
 INT8_ACCURACY_LEVEL = 4  # MatMulNBits: activations quantized to int8 (ONNX Runtime's levels)
 ACTIVATIONS = ("int8", "fp32")  # what the cpu delegate's 4-bit linears multiply
-INLINE_BYTES = 1024  # smaller initializers (shapes, scalars, Q/DQ params) stay in the .onnx
 # A DQ(int4) -> MatMul pair (the htp bundle on the CPU EP) fuses to MatMulNBits with
 # accuracy_level 4 (int8 activations) unless this says 0 (fp32, exact weights).
 SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 QUANT_MAX = 65535  # uint16 activations
 
 aten = torch.ops.aten
-
-_ONNX_TYPE = {
-    torch.float32: TensorProto.FLOAT,
-    torch.float16: TensorProto.FLOAT16,
-    torch.int64: TensorProto.INT64,
-    torch.int32: TensorProto.INT32,
-    torch.bool: TensorProto.BOOL,
-    torch.uint8: TensorProto.UINT8,
-    torch.int8: TensorProto.INT8,
-}
-_NP_OF_ONNX = {
-    TensorProto.FLOAT: np.float32,
-    TensorProto.FLOAT16: np.float16,
-    TensorProto.INT64: np.int64,
-    TensorProto.INT32: np.int32,
-    TensorProto.BOOL: np.bool_,
-    TensorProto.UINT8: np.uint8,
-    TensorProto.INT8: np.int8,
-    TensorProto.UINT16: np.uint16,
-}
-_ONNX_OF_NP = {np.dtype(v): k for k, v in _NP_OF_ONNX.items()}
-
-
-# --- tensors and graphs ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Packed:
-    """An initializer whose bytes are not a numpy array's (4-bit ONNX types)."""
-
-    elem_type: int
-    dims: tuple[int, ...]
-    raw: bytes
-
-
-def _raw(value: np.ndarray | _Packed) -> tuple[int, tuple[int, ...], bytes]:
-    if isinstance(value, _Packed):
-        return value.elem_type, value.dims, value.raw
-    arr = np.asarray(value)  # (not ascontiguousarray: it turns 0-d arrays into 1-d)
-    return _ONNX_OF_NP[arr.dtype], tuple(arr.shape), arr.tobytes(order="C")
 
 
 def pack_nibbles(values: np.ndarray) -> bytes:
@@ -127,192 +91,6 @@ def pack_nibbles(values: np.ndarray) -> bytes:
     if flat.size % 2:
         flat = np.concatenate([flat, np.zeros(1, np.uint8)])
     return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
-
-
-class Graph:
-    """One ONNX graph under construction: nodes, named values with their types, initializers."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.nodes: list[onnx.NodeProto] = []
-        self.tensors: dict[str, np.ndarray | _Packed] = {}
-        self.types: dict[str, tuple[int, tuple[int, ...]]] = {}  # value -> (elem type, shape)
-        self.inputs: list[str] = []
-        self.outputs: list[str] = []
-        # Where each value was computed, as "module path|op|n-th such op in that module call":
-        # the same activation in every method gets the same key (calibration pools them).
-        self.scope = ""
-        self.keys: dict[str, str] = {}
-        self._in_scope: Counter[tuple[str, str]] = Counter()
-        self._count = 0
-
-    def fresh(self, hint: str) -> str:
-        self._count += 1
-        return f"{hint}_{self._count}"
-
-    def node(
-        self,
-        op: str,
-        inputs: list[str],
-        outputs: list[str] | int = 1,
-        domain: str = "",
-        **attrs: Any,
-    ) -> list[str]:
-        names = (
-            [self.fresh(op.lower()) for _ in range(outputs)]
-            if isinstance(outputs, int)
-            else outputs
-        )
-        self._in_scope[self.scope, op] += 1
-        for i, name in enumerate(names):
-            self.keys[name] = f"{self.scope}|{op}|{self._in_scope[self.scope, op]}|{i}"
-        self.nodes.append(
-            helper.make_node(op, inputs, names, name=self.fresh(op), domain=domain, **attrs)
-        )
-        return names
-
-    def const(self, value: np.ndarray | _Packed, hint: str = "const") -> str:
-        """A constant initializer named by its content (the same constant is stored once)."""
-        elem, dims, raw = _raw(value)
-        digest = hashlib.sha1(f"{elem}{dims}".encode() + raw).hexdigest()[:16]
-        name = f"{hint}.{digest}"
-        self.tensors.setdefault(name, value)
-        self.types[name] = (elem, dims)
-        return name
-
-    def tensor(self, name: str, value: np.ndarray | _Packed) -> str:
-        elem, dims, _ = _raw(value)
-        self.tensors[name] = value
-        self.types[name] = (elem, dims)
-        return name
-
-    def typed(self, name: str, elem: int, shape: Iterable[int]) -> str:
-        self.types[name] = (elem, tuple(int(s) for s in shape))
-        return name
-
-    def prune(self, keep: set[str]) -> None:
-        """Drop nodes, initializers and inputs (except `keep`) no output depends on."""
-        needed = set(self.outputs)
-        kept = []
-        for node in reversed(self.nodes):
-            if any(o in needed for o in node.output):
-                kept.append(node)
-                needed.update(i for i in node.input if i)
-        self.nodes = kept[::-1]
-        self.tensors = {k: v for k, v in self.tensors.items() if k in needed}
-        self.inputs = [i for i in self.inputs if i in needed or i in keep]
-
-    def producers(self) -> dict[str, onnx.NodeProto]:
-        return {o: n for n in self.nodes for o in n.output}
-
-    def all_types(self) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """Every value's type: the traced ones, and what ONNX shape inference finds for values
-        the tracer composes without one (the standard ops of an in-graph dequantization)."""
-        info = helper.make_tensor_value_info
-        known = dict(self.types)
-        # small constants (axes, shapes) by value, as inference needs them; weights by type
-        small = {n: v for n, v in self.tensors.items() if _nbytes(v) <= INLINE_BYTES}
-        given = [n for n in dict.fromkeys([*self.inputs, *self.tensors]) if n not in small]
-        inits = []
-        for name, value in small.items():
-            elem, dims = known[name]
-            inits.append(TensorProto(name=name, data_type=elem, dims=dims, raw_data=_raw(value)[2]))
-        inner = [o for n in self.nodes for o in n.output if o in known and o not in self.outputs]
-        graph = helper.make_graph(
-            self.nodes,
-            self.name,
-            [info(n, *known[n]) for n in given],
-            [info(n, *known[n]) for n in self.outputs],
-            inits,
-            value_info=[info(n, *known[n]) for n in inner],
-        )
-        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
-        inferred = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=opsets))
-        for v in inferred.graph.value_info:
-            t = v.type.tensor_type
-            dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
-            if v.name not in known and t.HasField("shape") and min(dims, default=0) >= 0:
-                known[v.name] = (t.elem_type, tuple(dims))
-        return known
-
-    def model(self, weights: WeightFile | None) -> onnx.ModelProto:
-        """The ModelProto; initializers over INLINE_BYTES go to `weights` (external data)."""
-        inits = []
-        for name in sorted(self.tensors):
-            value = self.tensors[name]
-            elem, dims = self.types[name]
-            t = TensorProto(name=name, data_type=elem, dims=list(dims))
-            if weights is not None and _nbytes(value) > INLINE_BYTES:
-                offset, length = weights.add(name, value)
-                t.data_location = TensorProto.EXTERNAL
-                for k, v in (("location", WEIGHTS), ("offset", offset), ("length", length)):
-                    t.external_data.add(key=k, value=str(v))
-            else:
-                t.raw_data = _raw(value)[2]
-            inits.append(t)
-        info = helper.make_tensor_value_info
-        io = {*self.inputs, *self.outputs, *self.tensors}
-        inner = [o for n in self.nodes for o in n.output if o not in io and o in self.types]
-        graph = helper.make_graph(
-            self.nodes,
-            self.name,
-            [info(n, *self.types[n]) for n in self.inputs],
-            [info(n, *self.types[n]) for n in self.outputs],
-            inits,
-            value_info=[info(n, *self.types[n]) for n in inner],
-        )
-        model = helper.make_model(
-            graph,
-            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-            producer_name="edgemtp",
-        )
-        model.ir_version = 10
-        return model
-
-
-def _nbytes(value: np.ndarray | _Packed) -> int:
-    return len(value.raw) if isinstance(value, _Packed) else np.asarray(value).nbytes
-
-
-def _identity(value: np.ndarray | _Packed) -> tuple[Any, ...]:
-    """Same memory, same view: the same tensor (weights are views of the same parameters in
-    every method, packed forms are shared objects), so no bytes need comparing."""
-    if isinstance(value, _Packed):
-        return (id(value),)
-    arr = np.asarray(value)
-    return (arr.__array_interface__["data"][0], arr.shape, arr.dtype.str, arr.strides)
-
-
-class WeightFile:
-    """`weights.bin`, written as tensors arrive: every large initializer of every method once,
-    `ALIGN`-aligned, deduplicated by name (a name seen again must hold the same bytes)."""
-
-    def __init__(self, path: Path) -> None:
-        self.file = open(path, "wb")  # noqa: SIM115 (closed by close())
-        # name -> (offset, length, identity, sha256)
-        self.entries: dict[str, tuple[int, int, tuple[Any, ...], str]] = {}
-        self.size = 0
-        self.referenced = 0  # bytes referenced by all models together (what copies would cost)
-
-    def add(self, name: str, value: np.ndarray | _Packed) -> tuple[int, int]:
-        self.referenced += _nbytes(value)
-        ident = _identity(value)
-        if name in self.entries:
-            offset, length, known, digest = self.entries[name]
-            if ident != known and hashlib.sha256(_raw(value)[2]).hexdigest() != digest:
-                raise RuntimeError(f"initializer {name} differs between methods")
-            return offset, length
-        raw = _raw(value)[2]
-        pad = -self.size % ALIGN
-        self.file.write(b"\0" * pad)
-        offset = self.size + pad
-        self.file.write(raw)
-        self.size = offset + len(raw)
-        self.entries[name] = (offset, len(raw), ident, hashlib.sha256(raw).hexdigest())
-        return offset, len(raw)
-
-    def close(self) -> None:
-        self.file.close()
 
 
 # --- tracing eager methods into graphs ------------------------------------------------------------
@@ -374,7 +152,7 @@ class _Tracer(TorchDispatchMode):
             name = self.cache[id(t)]
             if name not in self.g.inputs:
                 self.g.inputs.append(name)
-                self.g.typed(name, _ONNX_TYPE[t.dtype], t.shape)
+                self.g.typed(name, ONNX_TYPE[t.dtype], t.shape)
             return name
         w = self.weights[id(t)]
         if w.name not in self.g.tensors:
@@ -384,7 +162,7 @@ class _Tracer(TorchDispatchMode):
     def bind(self, t: Tensor, name: str) -> str:
         self.names[id(t)] = name
         self.keep.append(t)
-        self.g.typed(name, _ONNX_TYPE[t.dtype], t.shape)
+        self.g.typed(name, ONNX_TYPE[t.dtype], t.shape)
         return name
 
     def input(self, name: str, t: Tensor) -> None:
@@ -395,8 +173,8 @@ class _Tracer(TorchDispatchMode):
         if self.traced(x):
             name = self.name(x)
             if dtype is not None and x.dtype != dtype:
-                name = self.g.node("Cast", [name], to=_ONNX_TYPE[dtype])[0]
-                self.g.typed(name, _ONNX_TYPE[dtype], x.shape)
+                name = self.g.node("Cast", [name], to=ONNX_TYPE[dtype])[0]
+                self.g.typed(name, ONNX_TYPE[dtype], x.shape)
             return name
         value = torch.as_tensor(x)
         if dtype is not None:
@@ -518,7 +296,7 @@ def _where(tr: _Tracer, out: Tensor, cond: Any, a: Any, b: Any) -> None:
 
 @_on(aten._to_copy.default)
 def _to_copy(tr: _Tracer, out: Tensor, x: Tensor, **kw: Any) -> None:
-    tr.emit("Cast", [tr.name(x)], out, to=_ONNX_TYPE[out.dtype])
+    tr.emit("Cast", [tr.name(x)], out, to=ONNX_TYPE[out.dtype])
 
 
 @_on(
@@ -748,18 +526,18 @@ def _linear_cpu(tr: _Tracer, x: str, w: _Weight, out: Tensor, accuracy_level: in
     return y
 
 
-def qdq_weight_tensors(w: Int4Weight) -> dict[str, np.ndarray | _Packed]:
+def qdq_weight_tensors(w: Int4Weight) -> dict[str, np.ndarray | Packed]:
     """DequantizeLinear inputs for W^T [K, N], blocked along K: int4 (symmetric, zero point 0)
     or uint4 with uint4 zero points, scales f32 [K/group, N]."""
     n, k = w.shape
     nb = k // w.group
-    out: dict[str, np.ndarray | _Packed] = {"scales": np.ascontiguousarray(w.scales.numpy().T)}
+    out: dict[str, np.ndarray | Packed] = {"scales": np.ascontiguousarray(w.scales.numpy().T)}
     if w.symmetric:
         signed = w.signed_codes().numpy().T
-        out["codes"] = _Packed(TensorProto.INT4, (k, n), pack_nibbles(signed))
+        out["codes"] = Packed(TensorProto.INT4, (k, n), pack_nibbles(signed))
     else:
-        out["codes"] = _Packed(TensorProto.UINT4, (k, n), pack_nibbles(w.codes.numpy().T))
-        out["zero_points"] = _Packed(TensorProto.UINT4, (nb, n), pack_nibbles(w.zeros.numpy().T))
+        out["codes"] = Packed(TensorProto.UINT4, (k, n), pack_nibbles(w.codes.numpy().T))
+        out["zero_points"] = Packed(TensorProto.UINT4, (nb, n), pack_nibbles(w.zeros.numpy().T))
     return out
 
 
@@ -914,7 +692,7 @@ def trace_method(
     for out_name, t in zip(outputs, results, strict=True):
         source = tracer.operand(t)  # a constant output (e.g. ids of a dense head) is fine too
         graph.node("Identity", [source], [out_name])
-        graph.typed(out_name, _ONNX_TYPE[t.dtype], t.shape)
+        graph.typed(out_name, ONNX_TYPE[t.dtype], t.shape)
         graph.outputs.append(out_name)
     updates = _cache_outputs(graph, tracer.mutations)
     graph.prune(keep=set(inputs))  # logical inputs stay, even unread (token_ple)
@@ -1069,7 +847,7 @@ def _save(
         for name in m.cache_inputs:
             elem, shape = m.graph.types[name]
             fill = -1 if name.startswith("cache.pos_") else 0
-            cache[name] = {"shape": list(shape), "dtype": _dtype_name(elem), "fill": fill}
+            cache[name] = {"shape": list(shape), "dtype": dtype_name(elem), "fill": fill}
     index = {
         "format": "edgemtp-onnx/1",
         "delegate": delegate,
@@ -1083,16 +861,12 @@ def _save(
     return files, weights, index
 
 
-def _dtype_name(elem: int) -> str:
-    return np.dtype(_NP_OF_ONNX[elem]).name
-
-
 def _method_spec(m: MethodGraph) -> dict[str, Any]:
     def io(names: list[str]) -> list[dict[str, Any]]:
         out = []
         for n in names:
             elem, shape = m.graph.types[n]
-            out.append({"name": n, "shape": list(shape), "dtype": _dtype_name(elem)})
+            out.append({"name": n, "shape": list(shape), "dtype": dtype_name(elem)})
         return out
 
     cache_outputs = [u["output"] for u in m.updates] + sorted(
