@@ -23,8 +23,8 @@ from edgemtp.export.onnx import (
     VIEW_NODES,
     WEIGHTS,
     lower_onnx,
-    qdq_weight_tensors,
 )
+from edgemtp.export.onnx.int4 import qdq_weight_tensors
 from edgemtp.export.weights import attach_int4, int4_of
 from edgemtp.model.cache import KVCache
 from edgemtp.model.forward import prefill

@@ -57,24 +57,29 @@ from edgemtp.errors import EdgeMTPError
 from edgemtp.export.forms import ONNX
 from edgemtp.export.lowered import Lowered, Progress
 from edgemtp.export.onnx.graph import (
-    MS_DOMAIN,
     ONNX_TYPE,
     OPSET,
     WEIGHTS,
     Graph,
-    Packed,
     WeightFile,
     dtype_name,
 )
+from edgemtp.export.onnx.int4 import (
+    INT8_ACCURACY_LEVEL,
+    LinearForm,
+    Packs,
+    gather_rows,
+    linear_nbits,
+    linear_qdq,
+)
 from edgemtp.export.onnx_norm import rms_norm_op
-from edgemtp.export.weights import Int4Weight, int4_of
+from edgemtp.export.weights import int4_of
 from edgemtp.model.static import StaticBundle, method_io
 from edgemtp.model.tables import TokenTables
 from edgemtp.runtime.backends import StaticBackend
 from edgemtp.runtime.runners.onnx import INDEX, OnnxRunner, range_union
 
 FOLDER = "onnx"  # everything this backend writes lives in out_dir/onnx
-INT8_ACCURACY_LEVEL = 4  # MatMulNBits: activations quantized to int8 (ONNX Runtime's levels)
 ACTIVATIONS = ("int8", "fp32")  # what the cpu delegate's 4-bit linears multiply
 # A DQ(int4) -> MatMul pair (the htp bundle on the CPU EP) fuses to MatMulNBits with
 # accuracy_level 4 (int8 activations) unless this says 0 (fp32, exact weights).
@@ -82,15 +87,6 @@ SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 QUANT_MAX = 65535  # uint16 activations
 
 aten = torch.ops.aten
-
-
-def pack_nibbles(values: np.ndarray) -> bytes:
-    """4-bit values (0..15, or -8..7 two's complement) two per byte, low nibble first (ONNX
-    int4/uint4 raw layout and MatMulNBits' layout)."""
-    flat = (values.astype(np.int16).reshape(-1) & 0xF).astype(np.uint8)
-    if flat.size % 2:
-        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
-    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
 
 
 # --- tracing eager methods into graphs ------------------------------------------------------------
@@ -122,15 +118,15 @@ class _Tracer(TorchDispatchMode):
         graph: Graph,
         weights: dict[int, _Weight],
         cache: dict[int, str],
-        linear: Callable[[_Tracer, str, _Weight, Tensor], str],
-        packed: dict[tuple[int, str], dict[str, Any]],
+        int4_linear: LinearForm,
+        packs: Packs,
     ):
         super().__init__()
         self.g = graph
         self.weights = weights
         self.cache = cache
-        self.linear = linear  # emits x @ W^T for a weight W (the delegate's 4-bit form)
-        self.packed = packed  # 4-bit forms by (id(Int4Weight), form), shared across methods
+        self.int4_linear = int4_linear  # emits x @ W^T for a 4-bit W (the delegate's form)
+        self.packs = packs  # shared by the methods of one lowering
         self.names: dict[int, str] = {}
         self.keep: list[Any] = []  # every tensor named here stays alive: ids never collide
         self.transposed: dict[str, _Weight] = {}  # value name -> the weight it transposes
@@ -409,15 +405,34 @@ def _index(tr: _Tracer, out: Tensor, x: Tensor, indices: list[Tensor | None]) ->
         raise NotImplementedError("ONNX export: only x[idx] on the first dimension")
     idx = tr.operand(indices[0], torch.int64)
     if id(x) in tr.weights:
-        tr.bind(out, _gather_rows(tr, tr.weights[id(x)], idx, out))
+        tr.bind(out, _weight_rows(tr, tr.weights[id(x)], idx, out.shape[0]))
     else:
         tr.emit("Gather", [tr.name(x), idx], out, axis=0)
+
+
+def _linear(tr: _Tracer, x: str, w: _Weight) -> str:
+    """x [M, K] @ W^T: the delegate's 4-bit form where the checkpoint has one, else an fp32
+    Gemm."""
+    q = int4_of(w.module)
+    if q is not None:
+        return tr.int4_linear(tr.g, tr.packs, x, w.name, q)
+    y = tr.g.fresh("linear")
+    tr.g.node("Gemm", [x, tr.name(w.tensor)], [y], transB=1)
+    return y
+
+
+def _weight_rows(tr: _Tracer, w: _Weight, idx: str, rows: int) -> str:
+    """weight[idx]: 4-bit rows dequantized in-graph, float ones gathered."""
+    q = int4_of(w.module)
+    if q is not None:
+        return gather_rows(tr.g, tr.packs, w.name, q, idx, rows)
+    return tr.g.node("Gather", [tr.name(w.tensor), idx], axis=0)[0]
 
 
 @_on(aten.mm.default, aten.bmm.default, aten.mv.default, aten.matmul.default)
 def _matmul(tr: _Tracer, out: Tensor, a: Tensor, b: Tensor) -> None:
     if tr.traced(b) and tr.names.get(id(b)) in tr.transposed and a.dim() == 2:
-        tr.bind(out, tr.linear(tr, tr.name(a), tr.transposed[tr.names[id(b)]], out))
+        tr.bind(out, _linear(tr, tr.name(a), tr.transposed[tr.names[id(b)]]))
     elif b.dim() == 1:  # matrix @ vector as a [K, 1] matmul (ORT rejects some 1-D forms)
         column = tr.g.node("Reshape", [tr.operand(b, out.dtype), tr.shape_const((-1, 1))])[0]
         product = tr.g.node("MatMul", [tr.operand(a, out.dtype), column])[0]
@@ -448,151 +463,6 @@ def _index_copy_(tr: _Tracer, out: Tensor, dst: Tensor, dim: int, index: Any, sr
 def _rms_norm_node(tr: _Tracer, out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
     inputs = [tr.operand(x, torch.float32), tr.operand(weight, torch.float32)]
     tr.emit("SimplifiedLayerNormalization", inputs, out, axis=-1, epsilon=eps)
-
-
-# --- weights: the forms a linear takes ------------------------------------------------------------
-
-
-def _check_group(w: Int4Weight, where: str) -> None:
-    g = w.group
-    if g < 16 or g & (g - 1):
-        raise EdgeMTPError(
-            f"{where}: ONNX 4-bit ops need a power-of-two group >= 16, this checkpoint uses "
-            f"{g}; re-quantize with --group 32, 64 or 128"
-        )
-
-
-def nbits_tensors(w: Int4Weight) -> dict[str, np.ndarray]:
-    """MatMulNBits inputs for `w` [N, K]: B uint8 [N, K/group, group/2] (low nibble = even
-    element), scales f32 [N, K/group], zero points (only if not all 8) uint8 [N, ceil(nb/2)]."""
-    n, k = w.shape
-    nb = k // w.group
-    codes = w.codes.numpy().astype(np.uint8).reshape(n, nb, w.group // 2, 2)
-    out = {
-        "B": (codes[..., 0] | (codes[..., 1] << 4)).astype(np.uint8),
-        "scales": w.scales.numpy().astype(np.float32),
-    }
-    if not w.symmetric:
-        zeros = np.concatenate([w.zeros.numpy(), np.zeros((n, nb % 2), np.uint8)], axis=1)
-        pairs = zeros.astype(np.uint8).reshape(n, -1, 2)
-        out["zero_points"] = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
-    return out
-
-
-def _packed(tr: _Tracer, q: Int4Weight, form: str) -> dict[str, Any]:
-    """The 4-bit tensors of `q` in `form`, computed once per lowering (not once per method)."""
-    key = (id(q), form)
-    if key not in tr.packed:
-        tr.packed[key] = nbits_tensors(q) if form == "nbits" else qdq_weight_tensors(q)
-    return tr.packed[key]
-
-
-def _nbits_inits(tr: _Tracer, w: _Weight, q: Int4Weight) -> dict[str, str]:
-    names = {}
-    for key, value in _packed(tr, q, "nbits").items():
-        name = f"{w.name}.{key}"
-        if name not in tr.g.tensors:
-            tr.g.tensor(name, value)
-        names[key] = name
-    return names
-
-
-def _linear_cpu(tr: _Tracer, x: str, w: _Weight, out: Tensor, accuracy_level: int = 0) -> str:
-    """x [M, K] @ W^T: MatMulNBits from the checkpoint's 4-bit codes, else an fp32 Gemm.
-    `accuracy_level` 4 quantizes x to int8 per block (ONNX Runtime's int8 kernels: 3x faster on
-    one row than level 0's dequantize-to-fp32, and it keeps that speed on a verify's few rows)."""
-    q = int4_of(w.module)
-    y = tr.g.fresh("linear")
-    if q is None:
-        tr.g.node("Gemm", [x, tr.name(w.tensor)], [y], transB=1)
-        return y
-    _check_group(q, w.name)
-    n, k = q.shape
-    names = _nbits_inits(tr, w, q)
-    inputs = [x, names["B"], names["scales"]]
-    if "zero_points" in names:
-        inputs.append(names["zero_points"])
-    tr.g.node(
-        "MatMulNBits",
-        inputs,
-        [y],
-        domain=MS_DOMAIN,
-        K=k,
-        N=n,
-        bits=4,
-        block_size=q.group,
-        accuracy_level=accuracy_level,
-    )
-    return y
-
-
-def qdq_weight_tensors(w: Int4Weight) -> dict[str, np.ndarray | Packed]:
-    """DequantizeLinear inputs for W^T [K, N], blocked along K: int4 (symmetric, zero point 0)
-    or uint4 with uint4 zero points, scales f32 [K/group, N]."""
-    n, k = w.shape
-    nb = k // w.group
-    out: dict[str, np.ndarray | Packed] = {"scales": np.ascontiguousarray(w.scales.numpy().T)}
-    if w.symmetric:
-        signed = w.signed_codes().numpy().T
-        out["codes"] = Packed(TensorProto.INT4, (k, n), pack_nibbles(signed))
-    else:
-        out["codes"] = Packed(TensorProto.UINT4, (k, n), pack_nibbles(w.codes.numpy().T))
-        out["zero_points"] = Packed(TensorProto.UINT4, (nb, n), pack_nibbles(w.zeros.numpy().T))
-    return out
-
-
-def _linear_qdq(tr: _Tracer, x: str, w: _Weight, out: Tensor) -> str:
-    """x [M, K] @ DequantizeLinear(int4 W^T, block) (the QNN EP's block-quantized MatMul)."""
-    q = int4_of(w.module)
-    if q is None:
-        return _linear_cpu(tr, x, w, out)
-    _check_group(q, w.name)
-    tensors = _packed(tr, q, "qdq")
-    inputs = []
-    for key in ("codes", "scales", "zero_points"):
-        if key in tensors:
-            inputs.append(f"{w.name}.qdq.{key}")
-            if inputs[-1] not in tr.g.tensors:
-                tr.g.tensor(inputs[-1], tensors[key])
-    weight = tr.g.node("DequantizeLinear", inputs, axis=0, block_size=q.group)[0]
-    tr.g.typed(weight, TensorProto.FLOAT, (q.shape[1], q.shape[0]))
-    return tr.g.node("MatMul", [x, weight])[0]
-
-
-def _gather_rows(tr: _Tracer, w: _Weight, idx: str, out: Tensor) -> str:
-    """weight[idx] (the drafter's clustered head): rows of the 4-bit table dequantized in-graph,
-    (code - zero) * scale in fp32 as `Int4Weight.dequantize`; a float weight is gathered."""
-    q = int4_of(w.module)
-    if q is None:
-        return tr.g.node("Gather", [tr.name(w.tensor), idx], axis=0)[0]
-    _check_group(q, w.name)
-    n, k = q.shape
-    names = _nbits_inits(tr, w, q)
-    g = tr.g
-    rows = g.node("Gather", [names["B"], idx], axis=0)[0]  # [r, nb, group/2] uint8
-    lo = g.node("BitwiseAnd", [rows, g.const(np.array(15, np.uint8))])[0]
-    hi = g.node("BitShift", [rows, g.const(np.array(4, np.uint8))], direction="RIGHT")[0]
-    pairs = g.node(
-        "Concat",
-        [g.node("Unsqueeze", [v, g.const(np.array([-1], np.int64))])[0] for v in (lo, hi)],
-        axis=-1,
-    )[0]
-    r = out.shape[0]
-    nb = k // q.group
-    codes = g.node("Reshape", [pairs, tr.shape_const((r, nb, q.group))])[0]
-    if "zero_points" in names:
-        zeros = g.const(q.zeros.numpy().astype(np.float32), hint=f"{w.name}.zeros_f32")
-        zero = g.node(
-            "Unsqueeze",
-            [g.node("Gather", [zeros, idx], axis=0)[0], g.const(np.array([-1], np.int64))],
-        )[0]
-    else:
-        zero = g.const(np.array(8, np.float32))
-    centred = g.node("Sub", [g.node("Cast", [codes], to=TensorProto.FLOAT)[0], zero])[0]
-    scale = g.node("Gather", [names["scales"], idx], axis=0)[0]
-    scale = g.node("Unsqueeze", [scale, g.const(np.array([-1], np.int64))])[0]
-    values = g.node("Mul", [centred, scale])[0]
-    return g.node("Reshape", [values, tr.shape_const((r, k))])[0]
 
 
 # --- methods --------------------------------------------------------------------------------------
@@ -660,9 +530,9 @@ def trace_method(
     static: StaticBundle,
     name: str,
     weights: Literal["nbits", "nbits_int8", "qdq"],
-    packed: dict[tuple[int, str], dict[str, Any]] | None = None,
+    packs: Packs | None = None,
 ) -> MethodGraph:
-    """Run one method eagerly under the tracer; the cache is restored afterwards. `packed`
+    """Run one method eagerly under the tracer; the cache is restored afterwards. `packs`
     shares the 4-bit weight forms between the methods of one lowering. `weights`: MatMulNBits
     with fp32 activations ("nbits") or int8 ones ("nbits_int8"), or Q/DQ pairs ("qdq")."""
     module, example = static.methods()[name]
@@ -670,13 +540,13 @@ def trace_method(
     cache = _cache_names(static)
     saved = {n: b.clone() for n, b in static.cache.named_buffers()}
     graph = Graph(name)
-    linear = {
-        "nbits": _linear_cpu,
-        "nbits_int8": partial(_linear_cpu, accuracy_level=INT8_ACCURACY_LEVEL),
-        "qdq": _linear_qdq,
+    int4_linear: LinearForm = {
+        "nbits": linear_nbits,
+        "nbits_int8": partial(linear_nbits, accuracy_level=INT8_ACCURACY_LEVEL),
+        "qdq": linear_qdq,
     }[weights]
     tracer = _Tracer(
-        graph, _weights_of(module, cache), cache, linear, {} if packed is None else packed
+        graph, _weights_of(module, cache), cache, int4_linear, {} if packs is None else packs
     )
     start = time.perf_counter()
     args = [t.clone() for t in example]
@@ -1015,9 +885,9 @@ def lower_onnx(
     if delegate == "cpu":
         weights_form = "nbits_int8" if activations == "int8" else "nbits"
     methods = []
-    packed: dict[tuple[int, str], dict[str, Any]] = {}
+    packs: Packs = {}
     for name in static.methods():
-        m = trace_method(static, name, weights_form, packed)
+        m = trace_method(static, name, weights_form, packs)
         methods.append(m)
         progress(f"trace {name}: {len(m.graph.nodes)} nodes ({m.seconds:.2f}s)")
     shapes = {
