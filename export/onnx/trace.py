@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from edgemtp.export.onnx.graph import ONNX_TYPE, Graph
 from edgemtp.export.onnx.int4 import LinearForm, Packs, gather_rows
-from edgemtp.export.onnx_norm import rms_norm_op
+from edgemtp.export.primitives import rms_norm_op
 from edgemtp.export.weights import int4_of
 
 aten = torch.ops.aten
