@@ -1,35 +1,14 @@
 """ONNX backend: the static methods as ONNX graphs for ONNX Runtime (CPU EP; QDQ for the QNN EP).
 
-How a method becomes a graph. Each method of `StaticBundle.methods()` runs once in eager PyTorch
-under a `TorchDispatchMode` that records every aten op whose inputs depend on a method input, a
-weight or the cache, and emits the equivalent ONNX nodes (`_Tracer`). Ops on constants only are
-folded (their eager result is the constant). This costs one eager forward per method (0.1-0.7 s
-on the tiny model, where `torch.onnx.export(dynamo=True)` took 10-40 s per method here; ~6 s for
-all methods of e2b x0.25), needs no extra package, gives static shapes
-by construction, and lets the backend pick the ONNX form of every linear from the module it came
-from: a linear with `int4_of(linear)` becomes `com.microsoft::MatMulNBits` built from exactly the
-codes and scales of the checkpoint (cpu) or `DequantizeLinear(int4, block) -> MatMul` (htp),
-every other linear an fp32 `Gemm`.
-
-The cache. ONNX has no mutable state, so the cache lives on the host: one preallocated array per
-cache buffer of `StaticCache` (`k{i}`/`v{i}` `[kv_heads, slots + 1, head_dim]`, `pos_{kind}`
-`[slots + 1]`), wrapped once in an `OrtValue` and bound by `IOBinding` as an input of every
-method that reads it: the target and the drafter read the same memory, nothing is copied between
-calls. The in-graph writes of `StaticCache.write` become graph outputs: the new K/V rows
-`[kv_heads, T, head_dim]`, the slot of each row (`slots.{n}`: position % ring, pad rows -> the
-trash slot) and the new slot-position vector, all computed by the graph with `StaticCache`'s
-own code, so rollback, the ring and the trash slot behave exactly as in the eager wrappers. The
-runner writes the rows into its arrays after the call (`k[:, slots] = rows`, O(rows)).
-
-The alternative, binding one OrtValue as both the cache input and a `ScatterElements` output,
-was measured (tiny and e2b x0.25, ctx 1024: ~0.2 ms of scatter kernels per verify against
-~0.05-0.08 ms of host row writes here) and rejected: it is slower and nothing orders the
-in-place scatter after the graph's own reads of the old buffer, so a prefill chunk longer than
-`ring - window` could overwrite sliding entries its attention still reads.
-
-Weights are stored once: every method's `.onnx` file references one `weights.bin` (ONNX external
-data: location, offset, length), deduplicated by initializer name, which is the parameter's
-qualified name and therefore the same in every method.
+`lower_onnx` writes a bundle's `onnx/` folder. Each method runs once in eager PyTorch under a
+dispatch tracer that emits ONNX nodes for the aten ops it runs (`trace.py`); a linear with a
+4-bit form becomes `MatMulNBits` (cpu) or `DequantizeLinear -> MatMul` (htp) from exactly the
+checkpoint's codes and scales (`int4.py`). ONNX has no mutable state, so the cache lives on the
+host and each method returns the rows it writes (`method.py`). For htp every float activation
+gets a uint16 Q/DQ pair, calibrated on greedy runs of the float graphs (`qdq.py`). The folder
+holds one `.onnx` per method, one `weights.bin` with every weight once (`graph.py`) and the
+index `methods.json` (`folder.py`). This module adds what the manifest says of the programs:
+op counts, elementwise work, numerics.
 """
 
 from __future__ import annotations
@@ -56,19 +35,14 @@ from edgemtp.model.tables import TokenTables
 
 FOLDER = "onnx"  # everything this backend writes lives in out_dir/onnx
 ACTIVATIONS = ("int8", "fp32")  # what the cpu delegate's 4-bit linears multiply
-
-
-# --- the bundle -----------------------------------------------------------------------------------
+MATMUL_NODES = {"MatMul", "MatMulNBits", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul"}
+VIEW_NODES = {"Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten"}  # ORT aliases these
 
 
 def _op_counts(methods: list[MethodGraph]) -> dict[str, dict[str, int]]:
     return {
         m.name: dict(sorted(Counter(n.op_type for n in m.graph.nodes).items())) for m in methods
     }
-
-
-MATMUL_NODES = {"MatMul", "MatMulNBits", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul"}
-VIEW_NODES = {"Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten"}  # ORT aliases these
 
 
 def _elementwise_elements(methods: list[MethodGraph]) -> dict[str, int]:
@@ -174,10 +148,10 @@ def lower_onnx(
 
     delegate "cpu": MatMulNBits for the CPU EP, its activations quantized to int8 per block
     (`activations="int8"`, as ExecuTorch's 8da4w) or kept fp32 ("fp32": the reference engine's
-    numerics on the same 4-bit weights, ~1.3-2x slower). delegate "htp": a QDQ model for
-    ORT's QNN EP (int4 blockwise weights, uint16 activations calibrated on greedy runs of the
-    float graph over `calibration_prompt`, default: seeded random ids): needs `tables` (the
-    target's `TokenTables`) to embed the calibration tokens. metal/npu: EdgeMTPError pointing to
+    numerics on the same 4-bit weights, and slower). delegate "htp": a QDQ model for ORT's QNN
+    EP (int4 blockwise weights, uint16 activations calibrated on greedy runs of the float graph
+    over `calibration_prompt`, default: seeded random ids): needs `tables` (the target's
+    `TokenTables`) to embed the calibration tokens. metal/npu: EdgeMTPError pointing to
     --backend coreml. Run the result with `OnnxRunner(out_dir / lowered.program, shapes)`.
     """
     _check_delegate(delegate)
