@@ -48,6 +48,8 @@ def _cache_names(static: StaticBundle) -> dict[int, str]:
 
 
 def _weights_of(module: nn.Module, cache: dict[int, str]) -> dict[int, Weight]:
+    """Every parameter and buffer of `module` but the cache's, by id, named by its qualified
+    name without the method's "owner." (the same name in every method)."""
     out = {}
     for mod_name, mod in module.named_modules():
         for attr, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:

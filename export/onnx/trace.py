@@ -34,6 +34,8 @@ aten = torch.ops.aten
 
 @dataclass
 class Weight:
+    """A parameter or buffer of the traced module: an initializer of the graph."""
+
     name: str  # initializer name (qualified parameter name without the method's "owner.")
     tensor: Tensor
     module: nn.Module
@@ -41,6 +43,8 @@ class Weight:
 
 @dataclass
 class Mutation:
+    """A write into a cache buffer, which the graph returns instead (`method.py`)."""
+
     buffer: str  # cache input name
     source: str  # value written (whole vector for positions, rows for K/V)
     index: str | None = None  # slot index per row (K/V only)
