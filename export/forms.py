@@ -36,7 +36,6 @@ from edgemtp.export.coreml_forms import (
     onehot_scatter,
 )
 from edgemtp.export.int4 import GATE_UP, QKV, Int4Linear, fuse_linears, to_int4_linears
-from edgemtp.export.onnx_norm import onnx_norm
 from edgemtp.export.primitives import (
     add_mean_weights,
     arithmetic_mask,
@@ -46,6 +45,7 @@ from edgemtp.export.primitives import (
     keep_segments,
     linear_mean_norm,
     logits_of_kept,
+    onnx_norm,
     pool_mean_norm,
     where_mask,
 )

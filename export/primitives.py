@@ -12,6 +12,9 @@ well (`export/forms.py` says which form uses which):
   and a `where`, which run in portable kernels;
 - RMSNorm without `mean.dim` or `pow` (XNNPACK delegates `mean.dim` only as an NHWC pooling,
   `pow` only squared): a 4-D global pooling, or a 1-output linear;
+- RMSNorm as one op (the ONNX form), which the ONNX tracer writes as one
+  `SimplifiedLayerNormalization` node: one fused kernel on the CPU EP, QNN's RmsNorm on the HTP,
+  and no rsqrt tensor whose range, 1/sqrt(eps) on zero pad rows, would ruin its int16 scale;
 - projections read from one product where a form fused the linears of one input (`attn.qkv`,
   `mlp.gate_up`: `export/int4.py`).
 """
@@ -80,6 +83,23 @@ def add_mean_weights(model: nn.Module) -> None:
             d = module.dim
             module.register_buffer("mean_weight", torch.full((1, d), 1.0 / d), persistent=False)
             module.register_buffer("eps_bias", torch.tensor([module.eps]), persistent=False)
+
+
+@torch.library.custom_op("edgemtp_onnx::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    y = x.float()
+    y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).type_as(x)
+
+
+@rms_norm_op.register_fake
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+def onnx_norm(ops: Primitives, norm: nn.Module, x: Tensor) -> Tensor:
+    weight = norm.weight if norm.weight is not None else torch.ones(x.shape[-1])
+    return rms_norm_op(x, weight, norm.eps)
 
 
 def keep_segments(ops: Primitives, past: Segments, new: Tensor) -> Segments:

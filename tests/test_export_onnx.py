@@ -17,14 +17,9 @@ from onnx import TensorProto, helper, numpy_helper
 from oracle_drafts import OracleDrafts, greedy
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.onnx import (
-    FOLDER,
-    MATMUL_NODES,
-    VIEW_NODES,
-    WEIGHTS,
-    lower_onnx,
-    qdq_weight_tensors,
-)
+from edgemtp.export.onnx import FOLDER, MATMUL_NODES, VIEW_NODES, lower_onnx
+from edgemtp.export.onnx.graph import WEIGHTS
+from edgemtp.export.onnx.int4 import qdq_weight_tensors
 from edgemtp.export.weights import attach_int4, int4_of
 from edgemtp.model.cache import KVCache
 from edgemtp.model.forward import prefill

@@ -27,7 +27,8 @@ from edgemtp.devices.calibrate.measure import (
 
 
 def _ort_session(graph: Any, threads: int) -> Any:
-    """`graph` in an ONNX Runtime CPU session set up as `export.onnx.OnnxRunner` sets its own."""
+    """`graph` in an ONNX Runtime CPU session set up as `OnnxRunner` (runtime/runners/onnx.py)
+    sets its own."""
     import onnx
     import onnxruntime as ort
 

@@ -1,4 +1,4 @@
-"""Runs an ONNX bundle's methods with ONNX Runtime, the cache on the host (`export/onnx.py`
+"""Runs an ONNX bundle's methods with ONNX Runtime, the cache on the host (`export/onnx/method.py`
 describes the graphs and their cache outputs)."""
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ struct IoSpec {
   std::vector<int64_t> shape;
 };
 
-// A cache write the host applies after a method (export/onnx.py's OnnxRunner "updates"):
+// A cache write the host applies after a method (runtime/runners/onnx.py's OnnxRunner "updates"):
 // replace a whole host array with an output ("copy"), or write an output's rows into the
 // array's slots ("rows": array[:, slots[r]] = output[:, r]).
 struct HostUpdate {

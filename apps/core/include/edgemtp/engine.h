@@ -2,8 +2,8 @@
 // manifest.json, tokenizer.json and the memory-mapped tables.safetensors, gathers embedding and
 // per-layer rows on the host, feeds the bundle's methods exactly as the Python runtime's
 // StaticBackend does (runtime/backends.py; for ONNX bundles it also keeps the cache arrays and
-// writes back the rows a method returns, as export/onnx.py's OnnxRunner), and decodes with the
-// core's Decoder (greedy or sampled, fixed or adaptive draft depth), timing every phase.
+// writes back the rows a method returns, as runtime/runners/onnx.py's OnnxRunner), and decodes
+// with the core's Decoder (greedy or sampled, fixed or adaptive draft depth), timing every phase.
 //
 // The platform implements only `MethodRunner`: run one named method of the bundle's program
 // (ExecuTorch Module::execute / the Java Module.execute, an ONNX Runtime session per method, a

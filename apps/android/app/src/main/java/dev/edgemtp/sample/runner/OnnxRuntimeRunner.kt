@@ -9,8 +9,8 @@ import java.io.File
 
 /**
  * Runs an `onnx` bundle: one ONNX Runtime session per method file (`onnx/<method>.onnx`, all
- * sharing `onnx/weights.bin`), configured as export/onnx.py's OnnxRunner configures its own:
- * [threads] intra-op threads, one inter-op thread, and methods.json's session config entries.
+ * sharing `onnx/weights.bin`), configured as runtime/runners/onnx.py's OnnxRunner configures its
+ * own: [threads] intra-op threads, one inter-op thread, and methods.json's session config entries.
  *
  * The cache lives on the host in the engine, which passes it after the logical inputs and writes
  * back the rows a method returns; inputs are wrapped without a copy, and outputs are written by
@@ -80,7 +80,7 @@ class OnnxRuntimeRunner(programDir: File, threads: Int, useQnn: Boolean) : Bundl
     }
 
     private companion object {
-        const val INDEX = "methods.json" // export/onnx.py's INDEX
+        const val INDEX = "methods.json" // runtime/runners/onnx.py's INDEX
         const val QNN_HTP_LIBRARY = "libQnnHtp.so"
 
         fun JSONArray.names(): List<String> = (0 until length()).map { getJSONObject(it).getString("name") }
