@@ -340,7 +340,7 @@ def collect(
 
 
 def _adb_pull(remote: str, into: Path, serial: str | None) -> Path:
-    from edgemtp.runtime.probes.energy import adb_problem
+    from edgemtp.runtime.probes.adb import adb_problem
 
     if shutil.which("adb") is None:
         raise EdgeMTPError(
