@@ -133,12 +133,6 @@ class OnnxRunner:
         self.bytes_copied = 0  # cache rows (and slot positions) written back on the host
         self._ort = ort
 
-    def cache_value(self, method: str, name: str) -> Any:
-        """The OrtValue `method` reads as cache input `name` (for identity checks)."""
-        if name not in self.methods[method].spec["cache_inputs"]:
-            raise KeyError(f"{method} does not read {name}")
-        return self.values[name]
-
     def call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
         ort = self._ort
         m = self.methods[method]
