@@ -81,7 +81,7 @@ class Model:
     moved: dict[str, int] = field(default_factory=dict)  # method -> portable elements copied
     float_flops: dict[str, int] = field(default_factory=dict)  # method -> FLOPs of fp32 linears
     # decode, verify and draft attention reads only the keys attended (edgemtp's kernel,
-    # `exportable.KernelAttention`), not every slot of the method's cache
+    # `edgemtp::cache_attention_rows`), not every slot of the method's cache
     attended_keys_only: bool = False
     cache_itemsize: int = 4  # bytes per K/V element the program stores (float16: 2)
     # bits per linear weight the decode, verify and draft steps read where they run another form

@@ -228,7 +228,8 @@ def _lower_xnnpack(
 
 
 def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
-    """What the XNNPACK program computes, as converted by `prepare_xnnpack`."""
+    """What the XNNPACK program computes, its weights as `export.forms.xnnpack_weights` stored
+    them (`stats`: what that conversion returned)."""
     schemes = stats["int4"]
     out: dict[str, str] = {}
     if schemes:
