@@ -105,12 +105,11 @@ def ensure_bundle(
     for folder in (target, drafter):
         if not (folder / "config.json").is_file():
             raise EdgeMTPError(f"{folder}: no config.json (the embedded models are missing?)")
-    # The pair is 16 M parameters in L3 with a 512-slot context: edgemtp's kernels make its AR
-    # step a quarter cheaper but its 4-row verify hardly at all (2.9 AR steps against 2.3 in
-    # matmul form), so MTP depth 3 / AR is 0.84x with them and 0.96-1.05x without
-    # (benchmarks/README.md, "The demo pair with edgemtp's kernels"). The demo shows MTP against
-    # AR; matmul bundles also run in the stock ExecuTorch Android AAR, so this one can go to the
-    # sample app as it is.
+    # XNNPACK alone: the pair is 16 M parameters, in cache with a 512-slot context, and
+    # edgemtp's kernels make its AR step cheaper but its 4-row verify hardly at all, so they
+    # would leave MTP further behind AR (benchmarks/README.md, "The demo pair with edgemtp's
+    # kernels"). Such bundles also run in the stock ExecuTorch Android AAR, so this one can go
+    # to the sample app as it is.
     kernels = "xnnpack"
     out = out or CACHE / f"demo-{bundle_key(target, drafter, settings, kernels)}" / "bundle"
     if (out / MANIFEST).is_file():

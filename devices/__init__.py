@@ -1,1 +1,1 @@
-"""Device profiles, delegate capabilities and the host-side simulator."""
+"""Device profiles, host calibration (`devices calibrate`) and the host-side simulator."""

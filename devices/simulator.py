@@ -1,27 +1,18 @@
 """The host-side simulator: speed, energy and memory of a bundle (or a preset) on a device
 profile, from first principles.
 
-Each program call is priced as the rooflines of its linears and its attention, plus dispatch,
-plus the runtime host's own time:
+Each program call is priced from its own bytes, FLOPs and attention scores (`model.cost`) and
+its launches (counted from the bundle's program on a "kernel" delegate; one on a "graph" one):
 
     seconds = max(weight bytes / sustained bandwidth, linear FLOPs / peak of the compute dtype)
               + max(K/V bytes / attention bandwidth, attention FLOPs / peak of the activations)
-              + attention scores x time per score
-              + elements written by fallback (portable) kernels, and where a bundle counts
-                them by its other non-matmul kernels, x time per element
-              + launches x dispatch cost + host cost per call
+              + scores x time per score + elements non-matmul kernels write x time per element
+              + launches x dispatch cost + host cost per call and per logit chosen from
 
-with the bytes, FLOPs and scores of that very call (`model.cost`: every weight read once per
-call, the K/V each row reads, matmul FLOPs, one score per head, row and key), its launches
-(the operators a method dispatches, counted from the bundle's program, on a "kernel" delegate;
-one per call on a "graph" delegate) and, where the profile measured it, the host's cost per
-call and per logit it picks a token from.
-Prefill runs chunk by chunk with the KV-shared layers pruned from every chunk but the last (as
-the exported methods do). A decode round at depth k costs k drafter steps plus one verify of
-k + 1 rows and commits E_k tokens on average, E_k = 1 + sum_{j<=k} prod_{i<=j} a_i, from
-per-position acceptance a_i (a measured trace, or a mean with a per-position decay). Decode
-speed at depth k is E_k / round time, at the middle of the generated span. Energy is
-(idle + active power) x time.
+Prefill runs chunk by chunk, pruned as the exported methods are. A decode round at depth k costs
+k drafter steps plus a verify of k + 1 rows and commits E_k = 1 + sum_{j<=k} prod_{i<=j} a_i
+tokens on average (a_i: per-position acceptance, measured or a mean with a decay); decode speed
+is E_k / round time at the middle of the generated span. Energy is (idle + active power) x time.
 """
 
 from __future__ import annotations
@@ -90,7 +81,7 @@ class Model:
     moved: dict[str, int] = field(default_factory=dict)  # method -> portable elements copied
     float_flops: dict[str, int] = field(default_factory=dict)  # method -> FLOPs of fp32 linears
     # decode, verify and draft attention reads only the keys attended (edgemtp's kernel,
-    # `exportable.KernelAttention`), not every slot of the method's cache
+    # `edgemtp::cache_attention_rows`), not every slot of the method's cache
     attended_keys_only: bool = False
     cache_itemsize: int = 4  # bytes per K/V element the program stores (float16: 2)
     # bits per linear weight the decode, verify and draft steps read where they run another form
@@ -290,7 +281,7 @@ def call_terms(
     linear += float_flops / (unit.peak_tops[attention_dtype] * 1e12)
     few_rows_linear = work.few_rows_flops / (unit.peak_tops[dtype] * 1e12)
     if work.rows <= VERIFY_ROWS:  # a decode step's or a verify's linears: one row's elements,
-        # whatever the few rows (ONNX Runtime, narrow linears: 16 us beyond the bytes on 1 or 4)
+        # whatever the few rows (a narrow linear's fixed work is the same on 1 row or 4)
         row_elements = work.linear_elements / max(work.rows, 1)
         weights += row_elements * (unit.ns_per_gemv_element or 0.0) * 1e-9
     attention_tops = unit.attention_tops or unit.peak_tops[attention_dtype]
@@ -317,10 +308,9 @@ RESIDENT_PROBE_MB = 4.5  # what `devices calibrate` measures the resident rates 
 def cache_rate(working_mb: float, limit_mb: float, resident: float, memory: float) -> float:
     """GB/s at which a call streams a working set of `working_mb`: the resident rate up to the
     size it was measured on, the memory rate from `limit_mb` (half the last-level cache) on,
-    and between them a time per byte interpolated in log size. One row through XNNPACK int4
-    linears on this shared host (48 MiB L3 then), swept by size: 26-34 GB/s at 4.5-18 MiB,
-    17-18 at 36-72, 13.5 at 144. A step at half the cache priced E2B x0.25's 118 MB at the
-    4.5 MiB rate, 20 GB/s, and predicted its AR decode twice as fast as measured."""
+    and between them a time per byte interpolated in log size: the measured rate falls
+    gradually with the working set, and a step at half the cache predicted mid-sized models
+    far too fast (benchmarks/README.md, "The simulator against this host")."""
     low = min(RESIDENT_PROBE_MB, limit_mb)
     if working_mb <= low:
         return resident
@@ -597,10 +587,9 @@ def elementwise_elements(manifest: dict[str, Any]) -> dict[str, int]:
 
 
 # Portable kernels that loop over their elements one by one, as the cache's slot bookkeeping
-# `devices calibrate` times (ns_per_portable_element, ~7 ns here); the others move data
-# (copies, gathers, concatenations, cache writes: MOVED_BYTES per element at the memory
-# bandwidth). E2B x0.25's draft step writes 575 k elements, mostly copies, in 0.18 ms of
-# portable kernels (ETDump), not the 4 ms the bookkeeping rate gives them.
+# `devices calibrate` times (ns_per_portable_element); the others move data (copies, gathers,
+# concatenations, cache writes: MOVED_BYTES per element at the memory bandwidth), far faster
+# per element than the bookkeeping rate would price them.
 BOOKKEEPING_OPS = {"eq", "ne", "lt", "le", "gt", "ge", "where", "remainder", "add", "sub", "mul",
                    "div", "min", "max", "arange", "cumsum"}  # fmt: skip
 MOVED_BYTES = 8  # an fp32 element read and written

@@ -16,20 +16,13 @@ The package (ML program, minimum deployment target iOS 18 / macOS 15, spec versi
   re-derives them: the weight is a custom torch op (`edgemtp::int4_weight`) whose converter
   emits the constexpr from the stored codes. Every other weight is fp16.
 
-How it is built. The methods (`model/static.py`) are traced with `torch.jit.trace` in the Core
-ML form (`export/forms.py`, whose primitives `export/coreml_forms.py` explains) and converted
-by coremltools' TorchScript frontend with its fp16 pass (`torch.export` works too but is far
-slower; coremltools 9 still relies on `jit.trace`). The form keeps the cache as states: the
-drafter step keeps the position a tensor (a trace would freeze a Python int) and touches
-every state. Everything computes in fp16 but RoPE's angles: activations, K/V states, weights
-(int4 dequantized to fp16: scale * (code - offset) with fp16 scales, rounded once).
-
-What Linux can and cannot check. `validate_mlpackage` reads the package (functions, I/O,
-states, op types and dtypes, weight blobs); `package_weights` reads the weights back from
-weight.bin; `TorchCoreMLRunner` runs the same form eagerly in torch (fp16, or fp32 to prove
-them exact) with those weights, behind the I/O protocol `CoreMLRunner` uses. Core ML itself
-(`predict`) needs macOS 15+; whether one `MLState` really serves all functions of a package,
-and the compute units' internal accumulation precision, can only be checked on Apple hardware.
+The methods (`model/static.py`) are traced with `torch.jit.trace` (coremltools 9's main path;
+the drafter's position stays a tensor, which a trace would freeze as an int) in the Core ML form
+(`export/forms.py`, `export/coreml_forms.py`) and converted by coremltools' TorchScript frontend
+and fp16 pass: everything computes in fp16 but RoPE's angles. Linux checks the package
+(`validate_mlpackage`), its weights (`package_weights`) and its numerics (`TorchCoreMLRunner`,
+the same form in eager torch); running it (`predict`, macOS 15+), one `MLState` serving every
+function, and the compute units' accumulation precision can only be checked on Apple hardware.
 """
 
 from __future__ import annotations
@@ -191,9 +184,8 @@ def _quiet() -> Iterator[None]:
 @contextlib.contextmanager
 def _converting() -> Iterator[Any]:
     """Quiet, single-validation conversion. coremltools re-validates the whole program after
-    each of its ~110 passes (a third of a conversion's time, ~0.1 s each on a 10-layer model);
-    here validation is off while it converts, and the caller validates the result once with
-    the yielded function."""
+    each of its passes, a large part of a conversion's time; here validation is off while it
+    converts, and the caller validates the result once with the yielded function."""
     with _quiet():
         from coremltools.converters.mil.mil import Program
 
@@ -281,8 +273,8 @@ def save_multifunction(models: dict[str, Any], package: Path) -> None:
 
     What `ct.utils.save_multifunction` does, without its detour: it saves every function,
     loads them back, and runs the whole default pass pipeline's validation over the merged
-    program (~100 full validations, minutes for a 10-layer model); the functions here are
-    converted and optimised already, so the merged program goes straight to the backend."""
+    program; the functions here are converted and optimised already, so the merged program
+    goes straight to the backend."""
     import coremltools as ct
     from coremltools.converters.mil.converter import mil_convert
     from coremltools.converters.mil.mil import Program

@@ -119,18 +119,13 @@ XNNPACK_MATMUL_NODES = ("XNNFullyConnected", "XNNBatchMatrixMultiply")
 PORTABLE_CALL = "portable"
 
 
-def program_operators(program: Any) -> dict[str, int]:
-    """Operators each method of an ExecuTorch `Program` dispatches per call: its portable
-    kernel calls, plus inside each XNNPACK delegate the nodes of its XNNPACK graph (read from
-    the delegate's flatbuffer); another delegate counts one. This is what a per-operator
-    dispatch cost multiplies: the edge graph has ~40 % more nodes (quantize/dequantize pairs,
-    views, getitems) that never run."""
-    return {name: sum(kinds.values()) for name, kinds in program_operator_kinds(program).items()}
-
-
 def program_operator_kinds(program: Any) -> dict[str, dict[str, int]]:
-    """`program_operators` by kind: method -> {XNNPACK node type ("XNNFullyConnected", ...),
-    "portable" (kernel calls), or another delegate's id: count}."""
+    """Operators each method of an ExecuTorch `Program` dispatches per call, by kind: method ->
+    {XNNPACK node type ("XNNFullyConnected", ...), "portable" (kernel calls), or another
+    delegate's id: count}. Inside each XNNPACK delegate, the nodes of its XNNPACK graph (read
+    from the delegate's flatbuffer); another delegate counts one. This is what a per-operator
+    dispatch cost multiplies, not the edge graph, whose quantize/dequantize pairs, views and
+    getitems never run."""
     import json
     import tempfile
     from collections import Counter
@@ -233,7 +228,8 @@ def _lower_xnnpack(
 
 
 def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
-    """What the XNNPACK program computes, as converted by `prepare_xnnpack`."""
+    """What the XNNPACK program computes, its weights as `export.forms.xnnpack_weights` stored
+    them (`stats`: what that conversion returned)."""
     schemes = stats["int4"]
     out: dict[str, str] = {}
     if schemes:

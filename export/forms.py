@@ -275,11 +275,10 @@ COREML_FP16 = Form(
     cache_dtype=torch.float16, cache_as_states=True,
 )  # fmt: skip
 
-KERNELS = ("edgemtp", "xnnpack")  # ExecuTorch cpu: edgemtp's kernels for steps, or XNNPACK only
-
 
 def form_for(backend: str, delegate: str, kernels: str = "edgemtp") -> Form:
-    """The form a backend and delegate's program computes in."""
+    """The form a backend and delegate's program computes in; `kernels` (ExecuTorch cpu):
+    "edgemtp", edgemtp's kernels for the steps, or "xnnpack", XNNPACK alone."""
     if backend == "onnx":
         return ONNX
     if backend == "coreml":

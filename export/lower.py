@@ -1,38 +1,18 @@
 """`torch.export` the static methods and lower them to one multi-method ExecuTorch program.
 
 Every method is exported from a module that holds the one shared `StaticCache` under the same
-name, so the cache buffers have the same fully qualified names in every method. ExecuTorch then
-gives them one allocation (`MemoryPlanningPass(share_mutable_buffers=True)`); a method that only
-reads them (the drafter) gets the same allocation because the buffers are mutable in another
-method. `InitializedMutableBufferPass` stores their initial values (positions -1, K/V zero) in
-the program; `run_reinplace_pass` turns the cache writes (`index_put`) into in-place writes.
+name, so the cache buffers have the same fully qualified names in every method and ExecuTorch
+gives them one allocation (`MemoryPlanningPass(share_mutable_buffers=True)`), the drafter's
+included (the buffers are mutable in another method). `InitializedMutableBufferPass` stores
+their initial values (positions -1, K/V zero); `run_reinplace_pass` makes the cache writes
+(`index_put`) in place.
 
-Why lowering took a minute per tiny method, and what this module does about it (profiled with
-cProfile and py-spy). A tiny method graph has ~1500 nodes (2400 with 8da4w linears), and
-ExecuTorch re-traces the whole graph node by node through fake tensors in nearly every pass, at
-~1-2 ms a node on a 2-core host: GELU decomposition, 3 `run_decompositions` (the
-"EDGE_DO_NOT_DECOMP" path of partitioners with an op-support check), ~13 edge passes, 17
-XNNPACK passes per delegated partition (`XNNPACKPassManager`), the `to_executorch` passes. Every
-re-trace also deep-copies each node's provenance chain (`meta["from_node"]`, one level longer
-per pass: ~20% of the time). Fixes, in order of effect:
-
-- the delegates are preprocessed with the linear pass only, via XNNPACK's own
-  `dqlinear_partitioner` compile spec, when a partition holds none of the patterns the other
-  16 passes rewrite (no convolution, pooling, `mean.dim`, batch norm, upsampling, padding,
-  PReLU, clone or dim-order copies, fused activations). Identity clones are removed once before
-  partitioning, and `executorch.py` swaps the norms to a form without `mean.dim`, so the static
-  graphs qualify; the resulting program is byte-identical to the full pipeline's (checked on
-  tiny: same XNNPACK graphs, only the marker compile spec differed, and it is dropped);
-- the partitioner wrapper answers `ops_to_not_decompose` with the ops whose every occurrence it
-  can take and no per-node check, which selects ExecuTorch's single-decomposition path;
-- GELU is decomposed while tracing (`_TanhGelu`, a torch function mode), the dtype asserts of
-  `torch.export` are dropped at once, and provenance chains are collapsed to their origin (what
-  ExecuTorch's debug handles read) between stages;
-- `executorch.py` emits 8da4w with `quantized_decomposed` ops, which have meta kernels: torchao's
-  affine ops run their whole Python implementation on fake tensors at every re-trace.
-
-What remains is ~15 whole-graph re-traces in `to_edge` and `to_executorch` for every method, and
-the five target methods re-lower the same layers at different row counts.
+ExecuTorch re-traces the whole graph through fake tensors in nearly every pass, so lowering
+time is nodes times passes. This module cuts both: a partition holding none of the patterns
+XNNPACK's other preprocessing passes rewrite gets its linear pass only (`dqlinear_partitioner`;
+the program is byte-identical), the partitioner selects the single-decomposition path, GELU is
+decomposed while tracing (`_TanhGelu`), dtype asserts are dropped, and provenance chains (which
+every pass deep-copies) are collapsed to their origin between stages.
 """
 
 from __future__ import annotations
@@ -324,7 +304,7 @@ def writes_after_reads(gm: torch.fx.GraphModule) -> int:
     of that buffer. Lowering re-sorts the graph, and a write that does not depend on a read of
     the old cache (an attention kernel outside the delegates) can land before it; then
     `run_reinplace_pass` must leave it functional, and every call copies the whole cache twice
-    (the `index_put` into a temporary, the write-back): 1.5 ms of a 4 ms PEER-90M decode step.
+    (the `index_put` into a temporary, the write-back).
     A write only feeds the buffer's write-back at the graph's end, so moving it later keeps
     the graph valid. Returns how many writes moved."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}

@@ -1,1 +1,2 @@
-"""Gemma 4 target and assistant model code, configs, checkpoint import and synthetic presets."""
+"""The Gemma 4 body (target and assistant), its primitives, caches and static methods, configs,
+float checkpoints and synthetic presets."""

@@ -1,7 +1,8 @@
-"""Analytic work of a target forward: FLOPs per layer from the config's shapes.
+"""Analytic work of the target and drafter from the config's shapes: FLOPs per layer, and the
+bytes, FLOPs and attention scores of one program call (`Work`, the simulator's input).
 
-Used to say what a pruning or a depth *should* buy before measuring it (and, later, by the
-simulator). Counts matmul FLOPs (2 per multiply-add); norms, RoPE and activations are ignored.
+Says what a pruning or a depth *should* buy before measuring it. Counts matmul FLOPs (2 per
+multiply-add); norms, RoPE and activations are ignored.
 """
 
 from __future__ import annotations

@@ -109,8 +109,9 @@ _TARGETS: dict[str, _TargetShape] = {
     "e4b": _TargetShape(2560, 10240, 6, 4, 3, 8, 2, 256, 512, 256, 262_144, 512),
     # 10 layers = 1 own + 1 shared block of 5; store layers 3 and 4; window 16.
     "tiny": _TargetShape(64, 128, 5, 1, 1, 4, 1, 16, 32, 16, 512, 16),
-    # BRIEF §10's benchmark shape "PEER-90M": 12 layers = 1 own + 1 shared block of 5 + 2 shared
-    # (sliding, full); 7 KV-shared layers; store layers 3 and 4 (where llama.cpp wants them).
+    # "PEER-90M", the shape edgemtp is compared with llama.cpp and ExecuTorch's example on
+    # (benchmarks/peers): 12 layers = 1 own + 1 shared block of 5 + 2 shared (sliding, full);
+    # 7 KV-shared layers; store layers 3 and 4 (where llama.cpp wants them).
     "peer-90m": _TargetShape(
         512, 2048, 5, 1, 1, 4, 1, 128, 256, 64, 32_768, 512, tail=2, double_wide=False
     ),

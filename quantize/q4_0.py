@@ -132,7 +132,8 @@ def split_q4_0_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_q4_0_rows(rows: np.ndarray, cols: int) -> np.ndarray:
     """Float32 rows `[T, cols]` of the Q4_0 byte rows `[T, cols // 32 * 18]`, in numpy: the
-    values of `dequantize_q4_0`, at a third of its cost for the one row a decode step needs."""
+    values of `dequantize_q4_0`, without torch's per-operation cost on the one row a decode
+    step needs."""
     scales, codes = split_q4_0_blocks(rows.reshape(rows.shape[0], cols // BLOCK, BLOCK_BYTES))
     w = (codes.astype(np.float32) - np.float32(8)) * scales.astype(np.float32)[..., None]
     return w.reshape(rows.shape[0], cols)

@@ -3,9 +3,8 @@
 //
 // A decode step looks up two rows between two calls of a program that streams every weight
 // through the caches; the numpy form of the same arithmetic (quantize/tables.py) is a dozen
-// array operations per table, each paying the cold caches: 0.2-0.28 ms of a ~3 ms PEER-90M step
-// for the two rows, ~0.05 ms as this one call. Plain C ABI, no ExecuTorch: ctypes calls it
-// (runtime/kernels/__init__.py).
+// array operations per table, each paying the cold caches, where this is one call. Plain C ABI,
+// no ExecuTorch: ctypes calls it (quantize/tables.py).
 //
 // Values are exactly the numpy form's: ((code - offset) * float(d)) * scale, each product
 // rounded to float32 as numpy and torch round it.

@@ -27,17 +27,17 @@ from edgemtp.runtime.generate import Step
 # verify shape of k >= 1 rounds on a static bundle) and two AR rounds, alternating. Each shape
 # is measured twice because the first call of a shape can carry one-off set-up, and a shape
 # known only from that call can lose for good: it is not chosen again to correct it (an
-# inflated AR cost once kept depth 1 in 196 of 197 rounds; an inflated verify cost kept an
+# inflated AR cost can keep the policy drafting, an inflated verify cost can keep an
 # always-agreeing drafter at AR). Cheap on purpose: with a drafter that never agrees this is
 # nearly the whole cost of adaptive mode.
 WARMUP = (1, 0, 1, 0)
 HISTORY = 7  # recent samples whose fastest is a cost
 # Rounds after which a cost sample no longer counts. Costs drift (the context grows, other apps
 # come and go) and only the shape a round runs is measured: with samples of any age, a shape
-# left alone kept a cost from another time. A drafter that never agreed was tried in up to 58
-# of 195 rounds here: AR, last measured in a slow second, looked dearer than drafting measured
-# since, until AR was run again, which it never was. A stale shape borrows the cost of the
-# nearest shape measured lately and, if that makes it win, is measured again.
+# left alone kept a cost from another time: AR, last measured in a slow second, looked dearer
+# than drafting measured since, so a drafter that never agreed kept being tried. A stale shape
+# borrows the cost of the nearest shape measured lately and, if that makes it win, is measured
+# again.
 MAX_AGE = 16
 
 
@@ -63,8 +63,8 @@ class AdaptiveDepth:
     ):
         self.max_depth = max_depth
         self.verify_shape = verify_shape
-        # A depth's verify method never changes; asking the bundle 20 times a round (to find the
-        # nearest measured shape of each depth) was ~2 % of a demo decode.
+        # A depth's verify method never changes: asked once here, not at every round (the
+        # policy's own time counts against the decode it steers).
         self.shapes = [verify_shape(k) for k in range(max_depth + 1)]
         self.decay = decay
         self.prior = (prior_accept, prior_trials)
@@ -81,9 +81,8 @@ class AdaptiveDepth:
         """Probability that draft i (1-based) is accepted, given the drafts before it were.
         Draft 1 starts from the prior; draft i > 1 from draft i - 1's estimate (`prior_trials`
         rounds' worth of it): a deeper draft is never assumed worse than the one before it
-        until it is measured. With a flat 0.5 prior, a pair whose first draft is accepted 84 %
-        of the time never tried depth 3 on a compute-bound host (its padded verify lost at
-        0.5 x 0.5 x 0.5), though the acceptance it has puts depth 3 at 1.09x AR."""
+        until it is measured. With a flat prior for every draft, a deep round priced at
+        0.5 x 0.5 x 0.5 can lose to AR before it is ever run, however well the pair agrees."""
         return self.acceptances(i)[-1]
 
     def acceptances(self, k: int) -> list[float]:

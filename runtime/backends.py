@@ -76,7 +76,7 @@ def tensor_bytes(*tensors: Tensor | None) -> int:
 class Backend(Protocol):
     """The calls the decoding engine makes; see the module docstring."""
 
-    name: str  # "reference", "executorch", "onnx", "coreml", "eager"
+    name: str  # "reference", a bundle's backend ("executorch", "onnx", "coreml"), or "static"
     max_context: int
     max_draft: int  # deepest verify round the backend can run
     vocab_size: int

@@ -1,36 +1,22 @@
-"""`edgemtp bench`: llama-bench-style measurements of a bundle, taken the way BRIEF §4 asks.
+"""`edgemtp bench`: llama-bench-style measurements of a bundle, every draft depth on equal terms.
 
-Tests: `ppN` prefills an N-token prompt and makes one token (prefill tok/s = N / prefill time);
-`tgN` decodes N tokens after a short prompt at each draft depth (decode tok/s =
-(n_out - 1) / (t_end - t_first), TTFT reported apart). For every test:
+`ppN` prefills an N-token prompt and makes one token (prefill tok/s = N / prefill time); `tgN`
+decodes N tokens after a short prompt at each draft depth (decode tok/s = (n_out - 1) /
+(t_end - t_first), TTFT apart). Each depth first runs a warm-up, recorded but left out of every
+statistic; then `repeat` rounds give every depth the same controlled-cold prompt (cache reset, a
+prefix unique to the run), depths interleaved so that a shared machine's drift hits them alike.
+A greedy MTP run records whether its tokens equal the AR run's (`valid`); a failed run records
+its error; none is dropped. Depth `auto` is the session's adaptive depth (`runtime.adaptive`),
+which keeps what it learns across the runs, as in an app's session.
 
-- each depth first runs once on its own prompt as warm-up; warm-up runs are recorded, flagged,
-  and left out of every statistic;
-- then `repeat` rounds: round r gives every depth the same prompt (AR and MTP on identical
-  inputs), depths interleaved so that drift on a shared machine hits them alike; each prompt is
-  controlled-cold: the cache is reset and the prompt starts with a prefix unique to its run;
-- under greedy decoding an MTP run's tokens must equal the AR run's on the same prompt: each MTP
-  run records whether they do (`valid`); no run is dropped, a failed one records its error.
-
-Depth `auto` runs the session's adaptive depth (`runtime.adaptive`) beside the pinned depths, on
-the same prompts. The policy keeps what it has learned across the runs of a bench, as it does
-across the requests of an app's session; the auto warm-up run is its first lesson. Its row
-reports the depths it chose (`depths_used`).
-
-`acceptance_oracle`: the drafter still runs every step, but each draft it returns is replaced by
-the target's own greedy continuation (from the AR run on that prompt) with probability `rate`
-and by a token that cannot be accepted otherwise: the mechanics of MTP at a controlled
-acceptance. Such runs are labelled as such everywhere. A quantized program's verify rows can
-break a near-tie unlike its one-row AR step (random-weight models with large vocabularies have
-many); past that token the AR continuation predicts nothing and every draft would miss. Such a
-run is repeated replaying its own tokens (the continuation of verify's numerics), at most
-`ORACLE_PASSES` times in all; the record keeps the last pass and counts them (`oracle_passes`).
-Where a token's rounding also depends on which verify row it lands in, the last pass can still
-split, so reports give the acceptance a run had, beside the oracle's rate (E2B x0.25 Q4_0 on
-ExecuTorch, rate 0.7, 32 tokens: 4 % with the AR replay alone, 44 % after three passes).
+`acceptance_oracle`: each draft is replaced by the AR run's token with probability `rate`, else by
+one that cannot be accepted: MTP's mechanics at a controlled acceptance, labelled as such. A run
+whose quantized verify breaks a near-tie unlike AR is repeated replaying its own tokens (up to
+`ORACLE_PASSES`; the record keeps the last pass, `oracle_passes` counts them), so reports give
+the acceptance a run reached beside the rate.
 
 The result (`result_document`) is the JSON the sample apps' benchmark mode writes too
-(`runtime/bench.schema.json`); `runtime.bench_report` turns one or several into tables and plots.
+(`runtime/bench.schema.json`); `runtime.bench_report` turns results into tables and plots.
 """
 
 from __future__ import annotations

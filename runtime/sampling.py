@@ -71,7 +71,7 @@ class SamplingParams:
 
 
 # Top-p first looks at this many most likely tokens, and at more only when their mass falls
-# short: a full sort of Gemma 4's 262144 logits costs ~50 ms, a top-256 about 1 ms.
+# short: a full sort of Gemma 4's 262144 logits costs far more than a top-k of a few hundred.
 TOP_P_CANDIDATES = 256
 
 
@@ -151,8 +151,8 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     """One token id per row: probs [V] -> 0-d int64 tensor, probs [N, V] -> [N].
 
     Rows need not be normalised but must be non-negative with a positive sum. Inverse-CDF
-    sampling: one uniform draw per row against the running sum, 0.4 ms on a 262144-token row
-    where torch.multinomial takes 20 ms; a zero-probability token is never chosen.
+    sampling: one uniform draw per row against the running sum (torch.multinomial is far slower
+    on a full vocabulary row); a zero-probability token is never chosen.
     """
     cdf = probs.float().cumsum(dim=-1)
     total = cdf[..., -1:]
@@ -165,7 +165,7 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
 
 def argmax_rows(logits: Tensor) -> list[int]:
     """Argmax of each row (first index on ties), as torch's. Through numpy: torch's CPU argmax
-    takes 72 us on one 32768-logit row here, numpy's 4 us; a decode step is a few ms."""
+    has a fixed cost per call that is many times numpy's, paid at every decode step."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.requires_grad:
         logits = logits.detach().reshape(-1, logits.shape[-1]).float()
     return logits.numpy().argmax(axis=-1).tolist()

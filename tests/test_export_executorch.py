@@ -27,12 +27,7 @@ from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 
 from edgemtp.devices.calibrate.xnnpack import linear_chain
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.executorch import (
-    PORTABLE_CALL,
-    lower_executorch,
-    program_operator_kinds,
-    program_operators,
-)
+from edgemtp.export.executorch import PORTABLE_CALL, lower_executorch, program_operator_kinds
 from edgemtp.export.forms import XNNPACK_KERNELS
 from edgemtp.export.int4 import QKV, Int4Linear, _block_form, fuse_linears, xnnpack_int8_rows
 from edgemtp.export.lower import (
@@ -114,6 +109,11 @@ def _lower_linear(linear: torch.nn.Module, x: torch.Tensor) -> bytes:
 
 
 # --- 8da4w building blocks -------------------------------------------------------------------
+
+
+def program_operators(program) -> dict[str, int]:
+    """Operators each method of a program dispatches per call, of every kind."""
+    return {name: sum(kinds.values()) for name, kinds in program_operator_kinds(program).items()}
 
 
 def _xnnpack_qd8(x: np.ndarray) -> np.ndarray:

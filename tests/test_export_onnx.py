@@ -107,6 +107,12 @@ def _prompt(n: int = 21, seed: int = 0) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _cache_value(runner: OnnxRunner, method: str, name: str):
+    """The OrtValue `method` reads as cache input `name`."""
+    assert name in runner.methods[method].spec["cache_inputs"], f"{method} does not read {name}"
+    return runner.values[name]
+
+
 @pytest.mark.parametrize("depth", [0, 2])
 def test_tokens_match_reference(exported, depth):
     target, drafter = exported.reference
@@ -173,9 +179,9 @@ def test_drafter_reads_the_target_cache_in_place(exported):
     draft_inputs = runner.methods["draft_step"].spec["cache_inputs"]
     assert draft_inputs and all(n.startswith("cache.") for n in draft_inputs)
     for name in draft_inputs:
-        value = runner.cache_value("draft_step", name)
-        assert value is runner.cache_value("verify_0", name)
-        assert value is runner.cache_value("prefill_final", name)
+        value = _cache_value(runner, "draft_step", name)
+        assert value is _cache_value(runner, "verify_0", name)
+        assert value is _cache_value(runner, "prefill_final", name)
         assert value.data_ptr() == runner.arrays[name].ctypes.data
     # and it sees what the target wrote: a prefill fills the arrays the drafter reads
     driver = StaticBackend(runner, exported.target.tables, exported.target.cfg)

@@ -1,24 +1,18 @@
 """`edgemtp distill`: train an MTP assistant drafter for any Gemma 4 target from the target's own
 hidden states, K/V and logits.
 
-What a draft round sees at inference (`runtime.generate.draft`), and so what we train: at position
-p the drafter gets the target's embedding of the token at p and the target's hidden state of row
-p-1; step j > 1 gets the embedding of the previous token and the drafter's own post-projected
-hidden state from step j-1, at the same position p, attending to the target's store-layer cache of
-positions < p. Step j must predict the target's next token at p+j. Training teacher-forces the
-tokens on the data (step j's input token is the data token at p+j-1) but feeds the drafter its own
-hidden state, so errors compound through the steps as they do when drafting.
+Training sees what a draft round sees (`runtime.generate.draft`): at position p, step 1 gets the
+target's embedding of the token at p and its hidden state of row p-1; step j > 1 the previous
+token's embedding and the drafter's own post-projected hidden state from step j-1, at the same
+position, attending to the target's store-layer cache of positions < p; step j predicts the
+target's next token at p+j. Tokens are teacher-forced from the data but hidden states are the
+drafter's own, so errors compound through the steps as they do when drafting.
 
-Loss, summed over steps: KL(target || drafter) on the full vocabulary, plus cross-entropy of the
-centroid scorer on the cluster of the target's argmax token. KL rather than CE on the argmax
-because it is CE against the whole target distribution: its argmax term is what greedy acceptance
-needs, and the rest is what speculative sampling's acceptance (1 - total variation) needs, with
-more signal per row than a single label.
-
-Every query row of a step is independent (the drafter has no cache of its own), so all positions
-of all sequences of a batch go through one packed forward: K/V of the sequences are concatenated
-and the mask keeps each row inside its own sequence (attention work grows with (batch * seq_len)^2,
-negligible next to the target's forward at the default sizes).
+Loss, summed over steps: KL(target || drafter) on the full vocabulary (CE against the whole
+target distribution: its argmax term is what greedy acceptance needs, the rest what speculative
+sampling's needs), plus the centroid scorer's cross-entropy on the cluster of the target's
+argmax token. A step's rows are independent (the drafter has no cache), so every position of a
+batch goes through one packed forward, the mask keeping each row inside its own sequence.
 """
 
 from __future__ import annotations

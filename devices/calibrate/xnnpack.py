@@ -213,9 +213,9 @@ def executorch_dispatch_us(calls: int = 2000) -> tuple[float, float]:
 
 
 class SegmentAttention(torch.nn.Module):
-    """Attention as the exported methods compute it (`exportable.segment_attention`, one KV
-    head): scores against the cache and the call's own rows apart, the additive mask, softmax,
-    and each segment's probabilities times its values."""
+    """Attention as the exported methods compute it (`runtime.kernels.ops.segment_attention`,
+    one KV head): scores against the cache and the call's own rows apart, the additive mask,
+    softmax, and each segment's probabilities times its values."""
 
     def forward(self, q, k_cache, k_rows, v_cache, v_rows, mask):  # type: ignore[no-untyped-def]
         from edgemtp.runtime.kernels.ops import segment_attention

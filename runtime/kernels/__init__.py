@@ -1,22 +1,16 @@
 """edgemtp's own ExecuTorch kernels, built on this machine against the installed runtime.
 
-`cache_attention.cpp` is `edgemtp::cache_attention.out`: attention of a few rows over the
-static KV cache that reads only the slots the mask lets some row attend to (see the file), and
-`cache_attention_rows.out`, the same written as the output projection reads it.
-`q4_0_linear.cpp` is `edgemtp::q4_0_linear.out`: a few rows times a GGML Q4_0 weight as
-llama.cpp computes it (Q8_0 activations, signed block scales), and `q4_0_gated_linear.out`,
-the same for the input gelu_tanh(gate) * up.
-`rms_norm.cpp` is `edgemtp::rms_norm.out` and `edgemtp::add_rms_norm.out`: the norms between
-those kernels, and the residual add after one, so no XNNPACK delegate call runs between two;
-and `edgemtp::head_norm_rope.out`, the q/k/v heads of a projection normed and rotated.
-`ops.py` declares them as torch operators, with what each computes.
+`cache_attention.cpp` (attention of a few rows over the static cache, reading only the slots
+some row attends to), `q4_0_linear.cpp` (GGML Q4_0 linears as llama.cpp computes them) and
+`rms_norm.cpp` (the norms and RoPE between them) implement the `edgemtp::` operators that
+`ops.py` declares, with the numerics each must reproduce.
 
 ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
 library linked to that same file registers its kernels there when it is loaded. So `load()`
-compiles the sources once per key (`edgemtp/native.py`: the sources, compiler, this CPU and
-the ExecuTorch installation) into `~/.cache/edgemtp/kernels/` and loads the result; a program
-that calls `edgemtp::` operators loads only after that. The apps' C++ core compiles the same
-sources into its runner (apps/core/tests/executorch.cmake).
+compiles the sources once per key (`native.py`: the sources, compiler, this CPU and the
+ExecuTorch installation) into `~/.cache/edgemtp/kernels/` and loads the result; a program that
+calls `edgemtp::` operators loads only after that. The apps' C++ core compiles the same sources
+into its runner (apps/core/tests/executorch.cmake).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 // reading only the cache slots some row may attend to.
 //
 // XNNPACK runs the static programs' attention as batched matmuls over every slot of the cache,
-// and packs the whole cache at every call (~8 GB/s here): a decode step at position 16 pays for
-// all 512 slots of its bucket, one at position 1800 for all 2048. This kernel skips every key
+// and packs the whole cache at every call: a decode step at position 16 pays for all 512 slots
+// of its bucket, one at position 1800 for all 2048. This kernel skips every key
 // the additive mask blocks for all rows (empty slots, future positions, out of the window), so
 // its cost follows the keys actually attended, and it reads each K and V row once for all the
 // rows of a KV group. Keys are split into chunks run on ExecuTorch's threadpool; each chunk keeps

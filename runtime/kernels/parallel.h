@@ -4,7 +4,7 @@
 // ExecuTorch's parallel_for cuts a range into one task per thread. Its pool's workers spin only
 // a few microseconds after a job before sleeping, so inside a decode step, where a delegate
 // call or a portable operator usually runs between two kernels, the worker is asleep when a
-// kernel starts: waking it costs 10-40 us (measured on a 2-vCPU VM, benchmarks/README.md), and
+// kernel starts: waking it is slow next to such small kernels (benchmarks/README.md), and
 // with one task per thread the calling thread finishes its half and then waits for the worker's
 // whole half. Here every tile is claimed as it is started, so the calling thread keeps taking
 // tiles while the worker wakes, and the worker takes what is left when it arrives.

@@ -1,7 +1,7 @@
 """This process's memory: peak and current resident set size, in MiB (2**20 bytes); the
 machine's physical memory, in bytes.
 
-MiB is what the project's other reports print as "MB" (cli.py divides ru_maxrss by 1024).
+The command line prints these MiB as "MB".
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ class ExecuTorchRunner:
     them and a machine that cannot build them get one line naming the fix.
 
     XNNPACK's weight cache is switched on before loading, so methods that share a weight
-    (every target method shares all of them) share one packed copy: a full-size E2B session
-    holds 2.0 GiB instead of 6.9 GiB. `threads`: XNNPACK's thread pool size (None: as is).
+    (every target method shares all of them) share one packed copy instead of packing it again
+    for each method. `threads`: XNNPACK's thread pool size (None: as is).
     The option is process-wide: `weight_cache=False` only helps before any program loaded."""
 
     def __init__(

@@ -39,8 +39,8 @@ def flush_denormals() -> Iterator[None]:
     """Denormal floats read and written as zero on this thread for the duration (x86 FTZ/DAZ,
     which ONNX Runtime's kernels then run under). A softmax over peaked scores (Gemma 4's
     attention at head dim 256-512) leaves probabilities below 1e-38, and the matmul after it
-    runs them at a small fraction of its speed: 15 % of an E2B x0.25 prefill chunk here, 12x on
-    one attention of head dim 512. Their contribution (< 1e-38 each) is lost either way."""
+    runs them at a small fraction of its speed. Their contribution (< 1e-38 each) is lost
+    either way."""
     torch.set_flush_denormal(True)
     try:
         yield
@@ -111,8 +111,8 @@ class OnnxRunner:
             binding = session.io_binding()
             for cache_name in spec["cache_inputs"]:
                 binding.bind_ortvalue_input(cache_name, self.values[cache_name])
-            # Every buffer is bound once: rebinding fresh arrays on each call cost ONNX Runtime
-            # 0.3-0.6 ms per call here, a sixth of a decode step of the embedded demo.
+            # Every buffer is bound once: ONNX Runtime takes longer per call over arrays bound
+            # afresh, a cost a small model's decode step notices.
             bound: dict[str, dict[str, np.ndarray]] = {}
             for kind in ("inputs", "outputs", "cache_outputs"):
                 bound[kind] = {io["name"]: np.empty(io["shape"], io["dtype"]) for io in spec[kind]}
@@ -132,12 +132,6 @@ class OnnxRunner:
         self.ranges: dict[str, dict[str, tuple[float, float]]] = {}
         self.bytes_copied = 0  # cache rows (and slot positions) written back on the host
         self._ort = ort
-
-    def cache_value(self, method: str, name: str) -> Any:
-        """The OrtValue `method` reads as cache input `name` (for identity checks)."""
-        if name not in self.methods[method].spec["cache_inputs"]:
-            raise KeyError(f"{method} does not read {name}")
-        return self.values[name]
 
     def call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
         ort = self._ort
