@@ -1,5 +1,5 @@
 """`edgemtp` command line: generate, synth, quantize, quantize-report, export, distill,
-train-target, demo, simulate, devices."""
+train-target, demo, simulate, devices, bench, conformance."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--activations",
         choices=("int8", "fp32"),
         help="ONNX cpu: what the 4-bit linears multiply; int8 (default, as XNNPACK's 8da4w: "
-        "1.3-2x faster decode) or fp32 (the reference engine's numerics)",
+        "faster decode) or fp32 (the reference engine's numerics)",
     )
     p.add_argument(
         "--kernels",
