@@ -44,7 +44,12 @@ import torch.nn.functional as F
 from harness import RESULTS, machine, pyplot, save_figure, write_results
 from torch import Tensor, nn
 
-from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
+from edgemtp.export.executorch_program import (
+    backend_config,
+    export_method,
+    lower_programs,
+    xnnpack_partitioner,
+)
 from edgemtp.runtime.kernels.ops import segment_attention
 
 CALLS = 200  # per timing round

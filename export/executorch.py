@@ -25,9 +25,7 @@ from typing import Any
 import torch
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.forms import COREML_DELEGATE, QNN, form_for
-from edgemtp.export.int4 import CLUSTERED_HEAD
-from edgemtp.export.lower import (
+from edgemtp.export.executorch_program import (
     backend_config,
     delegation_summary,
     export_method,
@@ -35,6 +33,8 @@ from edgemtp.export.lower import (
     static_partitioner,
     xnnpack_partitioner,
 )
+from edgemtp.export.forms import COREML_DELEGATE, QNN, form_for
+from edgemtp.export.int4 import CLUSTERED_HEAD
 from edgemtp.export.lowered import Lowered, Progress
 from edgemtp.model.static import StaticBundle, method_io
 from edgemtp.runtime.kernels.ops import KERNEL_MAX_ROWS
@@ -398,7 +398,7 @@ def _lower_qnn(static: StaticBundle, out_dir: Path, progress: Progress) -> Lower
         to_edge_transform_and_lower_to_qnn,
     )
 
-    from edgemtp.export.lower import _TanhGelu
+    from edgemtp.export.executorch_program import _TanhGelu
 
     soc = os.environ.get("EDGEMTP_QNN_SOC", "SM8650")
     chipsets = get_soc_to_chipset_map()

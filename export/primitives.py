@@ -34,7 +34,8 @@ BLOCKED = -1e30  # a blocked key's additive mask: exp(score + BLOCKED - row max)
 
 def _positive_part(x: Tensor) -> Tensor:
     """max(x, 0) as (x + |x|) / 2: exact on whole numbers, and no clamp or relu, which would
-    make XNNPACK run its whole preprocessing pipeline on the partition (`export/lower.py`)."""
+    make XNNPACK run its whole preprocessing pipeline on the partition
+    (`export/executorch_program.py`)."""
     return (x + x.abs()) * 0.5
 
 

@@ -28,15 +28,15 @@ from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 from edgemtp.devices.calibrate.xnnpack import linear_chain
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.executorch import PORTABLE_CALL, lower_executorch, program_operator_kinds
-from edgemtp.export.forms import XNNPACK_KERNELS
-from edgemtp.export.int4 import QKV, Int4Linear, _block_form, fuse_linears, xnnpack_int8_rows
-from edgemtp.export.lower import (
+from edgemtp.export.executorch_program import (
     backend_config,
     delegation_summary,
     export_method,
     lower_programs,
     xnnpack_partitioner,
 )
+from edgemtp.export.forms import XNNPACK_KERNELS
+from edgemtp.export.int4 import QKV, Int4Linear, _block_form, fuse_linears, xnnpack_int8_rows
 from edgemtp.export.primitives import projections
 from edgemtp.export.weights import attach_int4, int4_of
 from edgemtp.model.cache import KVCache

@@ -9,8 +9,8 @@ import torch
 from oracle_drafts import OracleDrafts, WholeCacheCheck, greedy
 from torch.export import ExportedProgram
 
+from edgemtp.export.executorch_program import export_method
 from edgemtp.export.forms import EXPORT, XNNPACK
-from edgemtp.export.lower import export_method
 from edgemtp.export.primitives import BLOCKED, arithmetic_mask
 from edgemtp.model.cache import KVCache, StaticCache
 from edgemtp.model.forward import prefill

@@ -21,7 +21,12 @@ from torch import nn
 
 from edgemtp import native
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.lower import backend_config, export_method, lower_programs, xnnpack_partitioner
+from edgemtp.export.executorch_program import (
+    backend_config,
+    export_method,
+    lower_programs,
+    xnnpack_partitioner,
+)
 from edgemtp.export.primitives import BLOCKED
 from edgemtp.quantize.q4_0 import BLOCK, nibbles_q4_0, unpack_q4_0
 from edgemtp.runtime import kernels

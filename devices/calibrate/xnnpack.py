@@ -31,7 +31,7 @@ def xnnpack_program(module: torch.nn.Module, *inputs: torch.Tensor) -> Any:
     """`module` lowered to XNNPACK as export lowers the bundles, loaded for this process."""
     from executorch.extension.pybindings import portable_lib
 
-    from edgemtp.export.lower import (
+    from edgemtp.export.executorch_program import (
         backend_config,
         export_method,
         lower_programs,
