@@ -35,6 +35,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define EDGEMTP_Q4_0_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define EDGEMTP_Q4_0_AVX2 1
+#include <immintrin.h>
 #endif
 
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
@@ -210,6 +213,74 @@ void rows_avx512(const uint8_t* codes, const uint16_t* scales, int64_t blocks, c
 }
 #endif
 
+#if defined(EDGEMTP_Q4_0_AVX2)
+inline float lane_sum(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// As rows_avx512, 8 lanes: a quad's codes are two registers (blocks 0-1, blocks 2-3), each
+// unpacked once for all R rows. maddubs multiplies the unsigned codes by q in int16 pairs
+// (|pair| <= 2 * 15 * 127, and low + high <= 4 * 15 * 127: exact), madd sums them to int32.
+template <int R>
+void rows_avx2(const uint8_t* codes, const uint16_t* scales, int64_t blocks, const Q8View& x,
+               int64_t r0, float* y, int64_t y_stride) {
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i first = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+  const __m256i second = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+  const int8_t* q[R];
+  const int32_t* bias[R];
+  const float* d[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = x.q + (r0 + r) * x.quads * 128;
+    bias[r] = x.bias + (r0 + r) * x.quads * 16;
+    d[r] = x.d16 + (r0 + r) * x.quads * 16;
+    acc[r] = _mm256_setzero_ps();
+  }
+  alignas(32) uint8_t tail[kQuad * kBlockBytes];
+  alignas(16) uint16_t tail_scales[8];
+  const int64_t quads = (blocks + kQuad - 1) / kQuad;
+  for (int64_t k = 0; k < quads; ++k) {
+    const uint8_t* c = codes + k * kQuad * kBlockBytes;
+    const uint16_t* sc = scales + k * kQuad;
+    if (const int64_t left = blocks - k * kQuad; left < kQuad) {  // zeros past the last block
+      std::memset(tail, 0, sizeof tail);
+      std::memset(tail_scales, 0, sizeof tail_scales);
+      std::memcpy(tail, c, static_cast<size_t>(left * kBlockBytes));
+      std::memcpy(tail_scales, sc, static_cast<size_t>(left) * sizeof(uint16_t));
+      c = tail;
+      sc = tail_scales;
+    }
+    // Two blocks at a time (0-1, then 2-3): fewer registers live across the rows' loop.
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * half));
+      const __m256i low = _mm256_and_si256(v, nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      const __m256 s = _mm256_permutevar8x32_ps(
+          _mm256_castps128_ps256(
+              _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))),
+          half ? second : first);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qk = q[r] + k * 128 + 32 * half;
+        const __m256i p = _mm256_add_epi16(
+            _mm256_maddubs_epi16(low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk))),
+            _mm256_maddubs_epi16(high,
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + 64))));
+        const __m256i dot = _mm256_add_epi32(
+            _mm256_madd_epi16(p, ones),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias[r] + k * 16 + 8 * half)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_mul_ps(s, _mm256_loadu_ps(d[r] + k * 16 + 8 * half)),
+                                 acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * y_stride] = lane_sum(acc[r]);
+}
+#endif
+
 template <int R>
 void output_rows(const uint8_t* codes, const uint16_t* scales, int64_t in, const Q8View& a,
                  int64_t r0, int64_t begin, int64_t end, float* y, int64_t out) {
@@ -219,6 +290,8 @@ void output_rows(const uint8_t* codes, const uint16_t* scales, int64_t in, const
     const uint16_t* s = scales + o * blocks;
 #if defined(EDGEMTP_Q4_0_AVX512)
     rows_avx512<R>(c, s, blocks, a, r0, y + r0 * out + o, out);
+#elif defined(EDGEMTP_Q4_0_AVX2)
+    rows_avx2<R>(c, s, blocks, a, r0, y + r0 * out + o, out);
 #else
     rows_portable<R>(c, s, blocks, a, r0, y + r0 * out + o, out);
 #endif
