@@ -6,8 +6,8 @@ Delegates:
   attention and the norms in `runtime/kernels`, over a float16 cache; prompt chunks XNNPACK's
   8da4w GEMMs) or XNNPACK alone (`--kernels xnnpack`: what stock ExecuTorch runtimes run).
   Linears are built from *our* codes and scales, never re-quantized by torchao
-  (`export/int4.py`). The assistant's clustered head runs its int4 LM head over the vocabulary
-  and picks the kept logits (no delegate gathers int4 rows).
+  (`export/int4.py`). The assistant's clustered head gathers only its kept tokens' int4 rows
+  (outside the delegates: none gathers int4 rows).
 - `metal` / `npu`: Core ML through ExecuTorch's Core ML delegate (compute units CPU_AND_GPU /
   CPU_AND_NE), int4 weight-only.
 - `htp`: Qualcomm QNN, when the QNN SDK is installed.

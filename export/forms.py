@@ -44,7 +44,6 @@ from edgemtp.export.primitives import (
     grouped_heads,
     keep_segments,
     linear_mean_norm,
-    logits_of_kept,
     onnx_norm,
     pool_mean_norm,
     where_mask,
@@ -149,11 +148,20 @@ def kernel_attention(
 
 
 def int4_head_logits(ops: Primitives, lm_head: nn.Module, ids: Tensor, h: Tensor) -> Tensor:
-    """An int4 LM head: the whole vocabulary through its linear, then the kept logits (a
-    gather of int4 rows runs outside the delegates); a float one: the kept rows gathered."""
+    """An int4 LM head: only the kept tokens' rows, gathered as 4-bit codes and dequantized
+    (`Int4Linear.rows`) outside the delegates; a float one: the kept rows gathered."""
     if isinstance(lm_head, Int4Linear):
-        return logits_of_kept(ops, lm_head, ids, h)
+        return lm_head.rows(ids) @ h
     return lm_head.weight[ids] @ h
+
+
+def kernel_head_logits(ops: Primitives, lm_head: nn.Module, ids: Tensor, h: Tensor) -> Tensor:
+    """The kept tokens' Q4_0 blocks gathered, then the Q4_0 kernel over them alone: each
+    output row is computed as the whole head's would be."""
+    if isinstance(lm_head, Int4Linear) and lm_head.nibbles is not None:
+        nibbles, scales = lm_head.nibbles.index_select(0, ids), lm_head.half_scales[ids]
+        return torch.ops.edgemtp.q4_0_linear(h[None], nibbles, scales)[0]
+    return int4_head_logits(ops, lm_head, ids, h)
 
 
 # --- the tables ----------------------------------------------------------------------------------
@@ -216,7 +224,7 @@ class XnnpackKernelStep(Primitives):
     extend = keep_segments
     attention = kernel_attention
     mask = arithmetic_mask
-    head_logits = int4_head_logits
+    head_logits = kernel_head_logits
 
 
 class CoreML(Primitives):

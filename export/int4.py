@@ -173,6 +173,15 @@ class Int4Linear(nn.Module):
             )
         return fused
 
+    def rows(self, ids: Tensor) -> Tensor:
+        """The float weight of output rows `ids` [n, in], dequantized from their gathered
+        codes: a clustered head needs only its kept tokens' rows."""
+        codes = self.codes.index_select(0, ids).float().view(len(ids), -1, self.group)
+        w = (codes - self.zeros[ids].float()[..., None]) * self.scales[ids][..., None]
+        if self.offset is not None:
+            w = w + self.offset[ids][..., None]
+        return w.view(len(ids), self.in_features)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 1:  # activations are quantized per row of a matrix
             return self.forward(x[None])[0]
@@ -222,7 +231,7 @@ def to_int4_linears(model: nn.Module, make: Callable[[Int4Weight], Int4Linear]) 
         q = make(w)
         setattr(model.get_submodule(parent_path) if parent_path else model, leaf, q)
         if clustered and path == "lm_head":
-            stats["head"] = f"int4 {w.scheme} linear over the vocabulary, kept logits picked"
+            stats["head"] = f"int4 {w.scheme} rows, the kept ones gathered"
             continue
         stats["int4"][w.scheme] = stats["int4"].get(w.scheme, 0) + 1
         scales = w.scales.float()

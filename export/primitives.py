@@ -163,9 +163,3 @@ def fused_gate_up(ops: Primitives, mlp: nn.Module, x: Tensor) -> tuple[Tensor, T
     product = ops.linear(fused, x)
     width = fused.widths[0]
     return product[..., :width], product[..., width:]
-
-
-def logits_of_kept(ops: Primitives, lm_head: nn.Module, ids: Tensor, h: Tensor) -> Tensor:
-    """The clustered head's logits as the whole vocabulary's through the LM head's linear,
-    then the kept tokens' picked by id (ExecuTorch delegates no gather of int4 rows)."""
-    return ops.linear(lm_head, h)[ids]
