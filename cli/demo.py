@@ -105,17 +105,19 @@ def ensure_bundle(
     for folder in (target, drafter):
         if not (folder / "config.json").is_file():
             raise EdgeMTPError(f"{folder}: no config.json (the embedded models are missing?)")
-    # XNNPACK alone: the pair is 16 M parameters, in cache with a 512-slot context, and
-    # edgemtp's kernels make its AR step cheaper but its 4-row verify hardly at all, so they
-    # would leave MTP further behind AR (benchmarks/README.md, "The demo pair with edgemtp's
-    # kernels"). Such bundles also run in the stock ExecuTorch Android AAR, so this one can go
-    # to the sample app as it is.
-    kernels = "xnnpack"
+    # edgemtp's kernels where this machine can build them: its steps, verify rounds and draft
+    # steps all run faster there than in XNNPACK alone (benchmarks/README.md, "MTP rounds").
+    from edgemtp.runtime import kernels as edgemtp_kernels
+
+    kernels = "xnnpack" if edgemtp_kernels.unavailable() else "edgemtp"
     out = out or CACHE / f"demo-{bundle_key(target, drafter, settings, kernels)}" / "bundle"
     if (out / MANIFEST).is_file():
         say(f"bundle: {out} (cached)")
         return out
-    say(f"exporting the embedded pair to {out} (Q4_0, ExecuTorch XNNPACK; once, a few minutes)")
+    say(
+        f"exporting the embedded pair to {out} (Q4_0, ExecuTorch, {kernels} kernels; once, "
+        "a few minutes)"
+    )
     shapes = StaticShapes(settings.max_context, settings.depth, settings.chunk)
     request = ExportRequest(
         target, drafter, "q4_0", "executorch", "cpu", shapes, out, kernels=kernels

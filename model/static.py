@@ -87,8 +87,21 @@ class StaticShapes:
     max_draft: int
     chunk: int
     context_buckets: tuple[int, ...] = ()
+    # Draft depths with a verify method (None: every depth 0..max_draft, so a shallow round
+    # never pays for the deepest's rows). Bundles written before this field have (0, max).
+    verify_depths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        depths = (
+            tuple(range(self.max_draft + 1)) if self.verify_depths is None else self.verify_depths
+        )
+        depths = tuple(sorted(set(depths)))
+        if not depths or depths[0] != 0 or depths[-1] != self.max_draft:
+            raise ValueError(
+                f"verify depths {depths} must include 0 (AR decode) and the deepest, "
+                f"{self.max_draft}"
+            )
+        object.__setattr__(self, "verify_depths", depths)
         buckets = tuple(sorted(set(self.context_buckets)))
         bad = [b for b in buckets if not self.max_draft < b < self.max_context]
         if bad:
@@ -98,11 +111,15 @@ class StaticShapes:
             )
         object.__setattr__(self, "context_buckets", buckets)
 
-    def verify_depths(self) -> tuple[int, ...]:
-        """Draft depths with a verify method: 0 (plain AR decode) and the deepest. A shallower
-        round is left-padded to the deepest method (weight reads dominate its cost), and every
-        method costs export time."""
-        return (0, self.max_draft) if self.max_draft else (0,)
+    @classmethod
+    def from_manifest(cls, shapes: dict) -> StaticShapes:
+        """The shapes a manifest records; one written before `verify_depths` has (0, max)."""
+        fields = dict(shapes)
+        if "verify_depths" not in fields:
+            fields["verify_depths"] = (0, fields["max_draft"])
+        fields["verify_depths"] = tuple(fields["verify_depths"])
+        fields["context_buckets"] = tuple(fields.get("context_buckets", ()))
+        return cls(**fields)
 
     def bucket(self, end: int) -> int | None:
         """The smallest context bucket holding positions < `end` (None: the whole cache)."""
@@ -111,7 +128,7 @@ class StaticShapes:
     def verify_method(self, depth: int, end: int | None = None) -> tuple[str, int]:
         """The verify method for a round of `depth` drafts ending before position `end` (None:
         any position) and how many pad rows it needs."""
-        k = min(d for d in self.verify_depths() if d >= depth)
+        k = min(d for d in self.verify_depths if d >= depth)
         return bucketed(f"verify_{k}", None if end is None else self.bucket(end)), k - depth
 
     def draft_method(self, position: int) -> str:
@@ -327,7 +344,7 @@ class StaticBundle:
         for name in ("prefill_intermediate", "prefill_final"):
             for b in buckets:
                 out[bucketed(name, b)] = (Method(self.target, name, b), self.example_inputs(c))
-        for k in self.shapes.verify_depths():
+        for k in self.shapes.verify_depths:
             for b in buckets:
                 out[bucketed(f"verify_{k}", b)] = (
                     Method(self.target, "verify", b),

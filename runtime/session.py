@@ -85,7 +85,7 @@ class Session:
         delegate = delegate or exported
         _check_delegate_override(backend, exported, delegate)
         require(backend, delegate)
-        shapes = StaticShapes(**manifest["shapes"])
+        shapes = StaticShapes.from_manifest(manifest["shapes"])
         cfg = target_config(json.loads((bundle / "config.json").read_text()), str(bundle))
         say(f"loading {manifest['program']} ({backend}/{delegate})")
         program = bundle / manifest["program"]

@@ -219,7 +219,7 @@ def test_int4_op_count_per_function(q4):
     expected = {
         "prefill_intermediate": len(live) + ("target_per_layer_model_projection" in t4),
         "prefill_final": len(t4),
-        **{f"verify_{k}": len(t4) for k in SHAPES.verify_depths()},
+        **{f"verify_{k}": len(t4) for k in SHAPES.verify_depths},
         "draft_step": len(d4),
     }
     got = {n: f["ops"].get(INT4_OP, 0) for n, f in report["functions"].items()}

@@ -283,7 +283,12 @@ def test_context_buckets_must_fit_between_depth_and_context():
         StaticShapes(96, 2, 8, (96,))
     shapes = StaticShapes(96, 2, 8, [48, 12, 48])  # as a manifest's JSON gives them
     assert shapes.context_buckets == (12, 48)
-    assert shapes.verify_method(1, end=12) == ("verify_2_ctx12", 1)
+    assert shapes.verify_depths == (0, 1, 2)  # a verify per depth: no round pays for pad rows
+    assert shapes.verify_method(1, end=12) == ("verify_1_ctx12", 0)
+    older = StaticShapes.from_manifest({"max_context": 96, "max_draft": 2, "chunk": 8})
+    assert older.verify_method(1) == ("verify_2", 1)  # a bundle with verify_0 and verify_2 only
+    with pytest.raises(ValueError, match="must include 0"):
+        StaticShapes(96, 2, 8, verify_depths=(1, 2))
     assert shapes.verify_method(0, end=13) == ("verify_0_ctx48", 0)
     assert shapes.verify_method(2, end=49) == ("verify_2", 0)
     assert shapes.draft_method(48) == "draft_step_ctx48"

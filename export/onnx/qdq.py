@@ -168,7 +168,7 @@ def calibrate(
         backend = StaticBackend(runner, tables, cfg)
         if not backend.has_drafter:  # verify_k still needs k drafts: repeat the token
             backend = _RepeatedDrafts(runner, tables, cfg)
-        for depth in shapes.verify_depths():
+        for depth in shapes.verify_depths:
             backend.truncate(0)
             decode(backend, prompt, budget, policy=FixedDepth(depth))
     finally:

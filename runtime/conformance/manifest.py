@@ -19,7 +19,7 @@ def python_methods(shapes: StaticShapes, has_drafter: bool) -> list[str]:
     names = []
     for bucket in (None, *shapes.context_buckets):
         names += [bucketed(m, bucket) for m in ("prefill_intermediate", "prefill_final")]
-        names += [bucketed(f"verify_{k}", bucket) for k in shapes.verify_depths()]
+        names += [bucketed(f"verify_{k}", bucket) for k in shapes.verify_depths]
         names += [bucketed("draft_step", bucket)] if has_drafter else []
     return sorted(names)
 
@@ -59,7 +59,7 @@ def manifest_mismatches(
     `manifest_test` output) differs from `manifest` or from what the
     Python side derives from it (the rounds: `queries`, else the boundary rounds); empty when
     they agree."""
-    shapes = StaticShapes(**manifest["shapes"])
+    shapes = StaticShapes.from_manifest(manifest["shapes"])
     model, drafter = manifest["model"], manifest["drafter"]
     ring = min(shapes.max_context, ring_size(model["sliding_window"], shapes.max_draft))
     kinds = manifest["cache"]["kinds"]

@@ -86,7 +86,7 @@ class ReplayRunner:
     embeddings it receives are the token ids themselves."""
 
     def __init__(self, vectors: Mapping[str, Any], case: Mapping[str, Any]):
-        self.shapes = StaticShapes(**vectors["manifest"]["shapes"])
+        self.shapes = StaticShapes.from_manifest(vectors["manifest"]["shapes"])
         self.methods = {name: None for name in vectors["methods"]}
         self.case = case["name"]
         self.expected = deque(expected_calls(case, vectors["manifest"]["model"]["vocab_size"]))
@@ -190,7 +190,7 @@ def replay_vectors(vectors: Mapping[str, Any]) -> dict[str, int]:
         replay_case(vectors, case)
     choices = 0
     for table in vectors["method_choice"]:
-        shapes = StaticShapes(**table["shapes"])
+        shapes = StaticShapes.from_manifest(table["shapes"])
         want = method_choice(shapes)
         difference = _first_difference(table, json.loads(json.dumps(want)))
         if difference:

@@ -39,11 +39,16 @@ void Shapes::validate() const {
                   "exclusive");
     }
   }
+  if (!depths.empty() && (depths.front() != 0 || depths.back() != max_draft)) {
+    throw Error("shapes: verify depths must include 0 and the draft depth " +
+                std::to_string(max_draft));
+  }
 }
 
 std::vector<int> Shapes::verify_depths() const {
+  if (!depths.empty()) return depths;
   if (max_draft == 0) return {0};
-  return {0, max_draft};
+  return {0, max_draft};  // a bundle written before the manifest listed its depths
 }
 
 std::optional<int> Shapes::bucket(int end) const {
@@ -201,6 +206,12 @@ BundleConfig BundleConfig::from_decode_fields(const json::Value& fields) {
   c.shapes.max_draft = integer(shapes, "max_draft", "shapes");
   c.shapes.chunk = integer(shapes, "chunk", "shapes");
   c.shapes.context_buckets = integers(shapes, "context_buckets", "shapes");
+  if (shapes.find("verify_depths") != nullptr) {
+    c.shapes.depths = integers(shapes, "verify_depths", "shapes");
+    std::sort(c.shapes.depths.begin(), c.shapes.depths.end());
+    c.shapes.depths.erase(std::unique(c.shapes.depths.begin(), c.shapes.depths.end()),
+                          c.shapes.depths.end());
+  }
   std::sort(c.shapes.context_buckets.begin(), c.shapes.context_buckets.end());
   c.shapes.context_buckets.erase(
       std::unique(c.shapes.context_buckets.begin(), c.shapes.context_buckets.end()),

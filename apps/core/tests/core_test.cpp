@@ -81,7 +81,7 @@ void test_json() {
 // --- shapes and rings --------------------------------------------------------------------------
 
 void test_shapes() {
-  edgemtp::Shapes s{8192, 3, 128, {512, 2048}};
+  edgemtp::Shapes s{8192, 3, 128, {512, 2048}, {}};  // an older manifest: verify_0, verify_3
   s.validate();
   CHECK_EQ(s.verify_method(0, 1).method, std::string("verify_0_ctx512"));
   CHECK_EQ(s.verify_method(2, 512).method, std::string("verify_3_ctx512"));
@@ -96,11 +96,17 @@ void test_shapes() {
   CHECK_EQ(s.prefill_method(true, 513), std::string("prefill_final_ctx2048"));
   CHECK_EQ(s.prefill_method(true, 2049), std::string("prefill_final"));
   CHECK(throws<edgemtp::Error>([&] { s.verify_method(4, 10); }, "at most 3"));
-  edgemtp::Shapes ar{64, 0, 16, {}};
+  edgemtp::Shapes ar{64, 0, 16, {}, {}};
   CHECK_EQ(ar.verify_method(0, 5).method, std::string("verify_0"));
-  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 16, {3}}.validate(); }, "bucket 3"));
-  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 16, {64}}.validate(); }, "bucket 64"));
-  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 0, {}}.validate(); }, "chunk >= 1"));
+  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 16, {3}, {}}.validate(); }, "bucket 3"));
+  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 16, {64}, {}}.validate(); }, "bucket 64"));
+  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 0, {}, {}}.validate(); }, "chunk >= 1"));
+  edgemtp::Shapes every{8192, 3, 128, {512}, {0, 1, 2, 3}};  // a verify per depth
+  every.validate();
+  CHECK_EQ(every.verify_method(2, 512).method, std::string("verify_2_ctx512"));
+  CHECK_EQ(every.verify_method(2, 512).pad, 0);
+  CHECK(throws<edgemtp::Error>([] { edgemtp::Shapes{64, 3, 16, {}, {1, 3}}.validate(); },
+                               "include 0"));
 
   edgemtp::RowCall call{"verify_3", 40, 2, 2, {7, 8}};
   CHECK(call.positions() == std::vector<int>({42, 42, 40, 41}));
@@ -319,7 +325,7 @@ class ScriptedModel : public edgemtp::Model {
 edgemtp::BundleConfig scripted_config(int max_context, int max_draft, int chunk,
                                       std::vector<int> buckets = {}) {
   edgemtp::BundleConfig c;
-  c.shapes = {max_context, max_draft, chunk, std::move(buckets)};
+  c.shapes = {max_context, max_draft, chunk, std::move(buckets), {}};
   int ring = std::min(max_context, 16 + max_draft + 1);
   c.cache_kinds = {{"full", max_context, max_context}, {"sliding", ring, ring}};
   c.sliding_window = 16;

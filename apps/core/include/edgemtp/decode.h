@@ -43,10 +43,11 @@ struct Shapes {
   int max_draft = 0;
   int chunk = 0;                      // rows per prefill call
   std::vector<int> context_buckets;  // cache lengths with their own methods, ascending
+  std::vector<int> depths = {};      // the manifest's verify_depths (empty: 0 and max_draft)
 
   // Throws Error unless the sizes are positive and each bucket lies in (max_draft, max_context).
   void validate() const;
-  // Draft depths with a verify method: 0 and the deepest (shallower rounds are left-padded).
+  // Draft depths with a verify method, ascending (a round between two is left-padded).
   std::vector<int> verify_depths() const;
   // The smallest context bucket holding positions < end; nullopt: the whole cache.
   std::optional<int> bucket(int end) const;
