@@ -129,13 +129,26 @@ class Int8Rows:
     def __init__(self, values: Tensor, scales: Tensor):
         self.values, self.scales = values, scales  # int8 [rows, cols], [rows]
         self.shape = tuple(values.shape)
+        # numpy views of the same memory: a decode step looks up a row or two, and each torch
+        # op costs more than that row's arithmetic
+        self._values, self._scales = values.numpy(), scales.numpy()
 
     def __getitem__(self, ids: Tensor | list[int]) -> Tensor:
         return self.values[ids].float() * self.scales[ids].float()[:, None]
 
     def scaled(self, ids: Tensor | list[int], scale: float, out: Tensor | None = None) -> Tensor:
-        rows = self[ids] * scale
-        return rows if out is None else out.copy_(rows.view_as(out))
+        """`self[ids] * scale`, rounded as it rounds (q * row scale in float32, then * scale)."""
+        at = np.asarray(ids, dtype=np.int64) if isinstance(ids, list) else ids.numpy()
+        rows = self._values[at].astype(np.float32)
+        rows *= self._scales[at].astype(np.float32)[:, None]
+        if scale != 1.0:
+            rows *= np.float32(scale)
+        if out is None:
+            return torch.from_numpy(rows)
+        if not out.is_contiguous():
+            return out.copy_(torch.from_numpy(rows).view_as(out))
+        out.numpy().reshape(rows.shape)[...] = rows
+        return out
 
 
 def quantize_int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
