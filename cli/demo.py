@@ -118,9 +118,18 @@ def ensure_bundle(
         f"exporting the embedded pair to {out} (Q4_0, ExecuTorch, {kernels} kernels; once, "
         "a few minutes)"
     )
-    shapes = StaticShapes(settings.max_context, settings.depth, settings.chunk)
+    # a verify per depth and greedy draft chains: one drafter call and one target call a round
+    shapes = StaticShapes(settings.max_context, settings.depth, settings.chunk).every_depth()
     request = ExportRequest(
-        target, drafter, "q4_0", "executorch", "cpu", shapes, out, kernels=kernels
+        target,
+        drafter,
+        "q4_0",
+        "executorch",
+        "cpu",
+        shapes,
+        out,
+        kernels=kernels,
+        draft_chains=True,
     )
     export(request, say)
     return out

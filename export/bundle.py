@@ -220,6 +220,9 @@ class ExportRequest:
     force: bool = False
     activations: str | None = None  # ONNX cpu: "int8" (default) or "fp32"; others: fixed
     kernels: str | None = None  # ExecuTorch cpu: "edgemtp" (default) or "xnnpack"
+    # ExecuTorch cpu with a drafter: greedy draft chains `draft_K`, the picks and token lookups
+    # in the program (one drafter call per round)
+    draft_chains: bool = False
 
 
 def _lowerer(backend: str) -> Callable[..., Lowered]:
@@ -371,7 +374,19 @@ def _write_bundle(
     progress(f"load: {time.perf_counter() - stage:.1f} s")
     # counted before lowering: a backend's form replaces the linears by its own
     int4_linears = int4_counts(target.model, *([drafter.model] if drafter else []))
-    static = StaticBundle.build(target.model, drafter.model if drafter else None, req.shapes)
+    # Greedy draft chains (`draft_K`) where the program runs the picks and the token lookups
+    # on the CPU: ExecuTorch's cpu delegate.
+    chains = (
+        req.draft_chains
+        and drafter is not None
+        and (req.backend, req.delegate) == ("executorch", "cpu")
+    )
+    static = StaticBundle.build(
+        target.model,
+        drafter.model if drafter else None,
+        req.shapes,
+        embedding=target.tables.token_rows_in_graph() if chains else None,
+    )
     stage = time.perf_counter()
     signatures = method_signatures(static)
     progress(f"trace: method signatures {time.perf_counter() - stage:.1f} s")

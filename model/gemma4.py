@@ -16,6 +16,7 @@ Conventions, chosen so the same code can be lowered with static shapes later:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
@@ -350,6 +351,32 @@ class Gemma4Drafter(nn.Module):
         if self.masked_embedding is not None:
             return self.masked_embedding(h, self.lm_head, ops)
         return None, ops.linear(self.lm_head, h)
+
+    def chain(
+        self,
+        embed: Callable[[Tensor], Tensor],
+        token: Tensor,
+        target_hidden: Tensor,
+        position: Tensor,
+        cache: CacheView,
+        depth: int,
+        ops: Primitives = REFERENCE,
+    ) -> Tensor:
+        """`depth` greedy draft steps in one call, all at `position`: each step's token is its
+        logits' argmax (the first, as the host's), embedded by `embed` (ids [1] -> the target's
+        scaled token embedding [1, hidden_t]) for the next. token [1]: the last committed
+        token; target_hidden [hidden_t]. Returns the drafted ids [depth]."""
+        pos = position.reshape(1)
+        kv = {kind: cache.kv(store) for kind, store in self.stores.items()}
+        masks = self.masks(pos, cache, ops)
+        hidden, drafted = target_hidden[None], []
+        for _ in range(depth):
+            hidden, h = self.step(embed(token), hidden, pos, kv, masks, ops)
+            ids, logits = self.logits(h[0], ops)
+            best = torch.argmax(logits).reshape(1)
+            token = best if ids is None else ids.index_select(0, best)
+            drafted.append(token)
+        return torch.cat(drafted)
 
     def forward(
         self,

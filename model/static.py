@@ -23,14 +23,15 @@ function must use each state it declares).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
 from edgemtp.model.cache import StaticCache, bucket_for
-from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target
+from edgemtp.model.gemma4 import CacheView, Gemma4Drafter, Gemma4Target
 from edgemtp.model.primitives import REFERENCE_FORM, Form, apply_form
+from edgemtp.model.tables import TableInGraph
 
 CONTEXT_STEP = 4  # auto context buckets: 512, 2048, 8192, ... below the max context
 SMALLEST_BUCKET = 512
@@ -44,6 +45,7 @@ METHOD_IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "prefill_final": (TARGET_INPUTS, ("hidden", "logits")),
     "verify": (TARGET_INPUTS, ("logits", "hidden")),
     "draft_step": (DRAFTER_INPUTS, ("next_hidden", "token_ids", "logits")),
+    "draft": (("token", "hidden", "position"), ("tokens",)),
 }
 
 
@@ -87,14 +89,13 @@ class StaticShapes:
     max_draft: int
     chunk: int
     context_buckets: tuple[int, ...] = ()
-    # Draft depths with a verify method (None: every depth 0..max_draft, so a shallow round
-    # never pays for the deepest's rows). Bundles written before this field have (0, max).
+    # Draft depths with a verify method (None: 0 and the deepest; a shallower round is
+    # left-padded into the next one). Every depth 0..max_draft (`every_depth`): no round pays
+    # for the deepest's rows, for an export method more per depth.
     verify_depths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        depths = (
-            tuple(range(self.max_draft + 1)) if self.verify_depths is None else self.verify_depths
-        )
+        depths = (0, self.max_draft) if self.verify_depths is None else self.verify_depths
         depths = tuple(sorted(set(depths)))
         if not depths or depths[0] != 0 or depths[-1] != self.max_draft:
             raise ValueError(
@@ -110,6 +111,10 @@ class StaticShapes:
                 f"({self.max_draft + 1}) and the max context ({self.max_context}), exclusive"
             )
         object.__setattr__(self, "context_buckets", buckets)
+
+    def every_depth(self) -> StaticShapes:
+        """These shapes with a verify method per draft depth."""
+        return replace(self, verify_depths=tuple(range(self.max_draft + 1)))
 
     @classmethod
     def from_manifest(cls, shapes: dict) -> StaticShapes:
@@ -134,6 +139,10 @@ class StaticShapes:
     def draft_method(self, position: int) -> str:
         """The draft-step method for a step at `position` (it reads positions < it)."""
         return bucketed("draft_step", self.bucket(position))
+
+    def chain_method(self, depth: int, position: int) -> str:
+        """The method drafting `depth` tokens greedily in one call at `position`."""
+        return bucketed(f"draft_{depth}", self.bucket(position))
 
     def prefill_method(self, final: bool, end: int) -> str:
         """The prefill method for a chunk whose rows end before position `end`."""
@@ -213,13 +222,50 @@ class TargetMethods(nn.Module):
 
 
 class DrafterMethods(nn.Module):
-    """One draft step reading the target's cache buffers in place (never copying them)."""
+    """Draft steps reading the target's cache buffers in place (never copying them): one step
+    (`draft_step`), or, given the token table (`embedding`), a greedy chain of them."""
 
-    def __init__(self, model: Gemma4Drafter, kvcache: StaticCache, form: Form):
+    def __init__(
+        self,
+        model: Gemma4Drafter,
+        kvcache: StaticCache,
+        form: Form,
+        embedding: TableInGraph | None = None,
+    ):
         super().__init__()
         self.drafter = model
         self.kvcache = kvcache
         self.form = form
+        self.embedding = embedding
+
+    def _view(self, bucket: int | None, slot_pos: tuple[Tensor, ...]) -> CacheView:
+        cache = self.kvcache
+        held = dict(zip(cache.slots, slot_pos, strict=True)) if self.form.cache_as_states else None
+        return cache.view(bucket=bucket, positions=held)
+
+    def _touch_states(self) -> None:
+        """Where the cache is the program's state, a function must use each state it declares:
+        no mask admits a trash slot, so zeroing it touches each state and changes nothing."""
+        if self.form.cache_as_states:
+            for i in self.kvcache.owners:
+                self.kvcache.k(i)[:, -1:] = 0.0
+                self.kvcache.v(i)[:, -1:] = 0.0
+
+    def draft(
+        self, token: Tensor, hidden: Tensor, position: Tensor, *slot_pos: Tensor,
+        depth: int, bucket: int | None = None,
+    ) -> tuple[Tensor]:  # fmt: skip
+        """(last committed token [1], hidden [H], position [1]) -> (the `depth` greedy drafts
+        [depth],): the draft steps and their picks in one call."""
+        assert self.embedding is not None
+        dtype = self.drafter.norm.weight.dtype
+        embedding = self.embedding
+        tokens = self.drafter.chain(
+            lambda ids: embedding(ids).to(dtype), token, hidden.to(dtype), position,
+            self._view(bucket, slot_pos), depth, self.form.step,
+        )  # fmt: skip
+        self._touch_states()
+        return (tokens,)
 
     def draft_step(
         self, token_embed: Tensor, hidden: Tensor, position: Tensor, *slot_pos: Tensor,
@@ -228,20 +274,15 @@ class DrafterMethods(nn.Module):
         """(target embedding of the last token [H], hidden [H], position [1]) ->
         (next hidden [H], token ids [n], their logits [n]); ids cover the whole vocabulary
         when the drafter has no clustered head."""
-        cache = self.kvcache
-        held = dict(zip(cache.slots, slot_pos, strict=True)) if self.form.cache_as_states else None
         dtype = self.drafter.norm.weight.dtype
         next_hidden, ids, logits = self.drafter(
             token_embed.to(dtype),
             hidden.to(dtype),
             position,
-            cache.view(bucket=bucket, positions=held),
+            self._view(bucket, slot_pos),
             self.form.step,
         )
-        if self.form.cache_as_states:  # no mask admits a trash slot: zeroing it touches each state
-            for i in cache.owners:
-                cache.k(i)[:, -1:] = 0.0
-                cache.v(i)[:, -1:] = 0.0
+        self._touch_states()
         if ids is None:
             ids = torch.arange(logits.shape[0])
         return next_hidden.float(), ids, logits.float()
@@ -252,16 +293,17 @@ class Method(nn.Module):
     under the same attribute, and both owners hold the cache as `kvcache`, so buffer names
     (`owner.kvcache.k3`, ...) are identical across methods; that is what shares them."""
 
-    def __init__(self, owner: nn.Module, name: str, bucket: int | None = None):
+    def __init__(self, owner: nn.Module, name: str, bucket: int | None = None, **constants: int):
         super().__init__()
         self.owner = owner
         self.name = name
         self.bucket = bucket  # a context bucket: a constant of the traced graph
+        self.constants = constants  # others (a draft chain's depth)
 
     def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
         if self.bucket is None:
-            return getattr(self.owner, self.name)(*args)
-        return getattr(self.owner, self.name)(*args, bucket=self.bucket)
+            return getattr(self.owner, self.name)(*args, **self.constants)
+        return getattr(self.owner, self.name)(*args, bucket=self.bucket, **self.constants)
 
 
 @dataclass
@@ -282,9 +324,11 @@ class StaticBundle:
         drafter: Gemma4Drafter | None,
         shapes: StaticShapes,
         form: Form = REFERENCE_FORM,
+        embedding: TableInGraph | None = None,
     ) -> StaticBundle:
         """Wrap the models in `form` (their weights converted in place: the models then belong
-        to the bundle)."""
+        to the bundle). `embedding`, the target's token table in a program's form, adds the
+        greedy draft chains `draft_K` (K = 1..max_draft)."""
         cache = StaticCache(target.cfg, shapes.max_context, shapes.max_draft)
         if shapes.chunk > min(cache.slots.values()):
             raise ValueError(
@@ -294,7 +338,9 @@ class StaticBundle:
             shapes,
             cache,
             TargetMethods(target, cache, REFERENCE_FORM).eval(),
-            None if drafter is None else DrafterMethods(drafter, cache, REFERENCE_FORM).eval(),
+            None
+            if drafter is None
+            else DrafterMethods(drafter, cache, REFERENCE_FORM, embedding).eval(),
             REFERENCE_FORM,
         )
         bundle.stats = bundle.use_form(form)
@@ -359,4 +405,16 @@ class StaticBundle:
                     Method(self.drafter, "draft_step", b),
                     (torch.zeros(h), torch.zeros(h), torch.tensor([1]), *self.slot_positions()),
                 )
+            chains = self.drafter.embedding is not None
+            for k in range(1, self.shapes.max_draft + 1) if chains else ():
+                for b in buckets:
+                    out[bucketed(f"draft_{k}", b)] = (
+                        Method(self.drafter, "draft", b, depth=k),
+                        (
+                            torch.tensor([1]),
+                            torch.zeros(h),
+                            torch.tensor([1]),
+                            *self.slot_positions(),
+                        ),
+                    )
         return out

@@ -6,6 +6,8 @@ A backend owns the target's KV cache and answers four calls, all at explicit pos
   (hidden, logits);
 - `verify(ids, position)`: every row through every layer, cache written; (logits, hidden) per row;
 - `draft_step(token, hidden, position)`: one drafter step reading the target's cache in place;
+- `draft_chain(token, hidden, position, depth)`: `depth` greedy draft steps in one call (the
+  picks and embedding lookups in the program), or None where the backend has no such call;
 - `truncate(length)`: forget positions >= length (rejected drafts, or a chat rolled back).
 
 `ReferenceBackend` runs the PyTorch model over `KVCache`; `StaticBackend` runs a bundle's static
@@ -91,6 +93,10 @@ class Backend(Protocol):
         self, token: int, hidden: Tensor, position: int
     ) -> tuple[Tensor, Tensor | None, Tensor]: ...
 
+    def draft_chain(
+        self, token: int, hidden: Tensor, position: int, depth: int
+    ) -> list[int] | None: ...
+
     def truncate(self, length: int) -> bool: ...
 
     def verify_shape(self, depth: int) -> str: ...
@@ -157,6 +163,17 @@ class ReferenceBackend:
         with self.meter.phase("drafter"):
             return self.drafter.model(embed, hidden, position, self.cache, self.form.step)
 
+    def draft_chain(
+        self, token: int, hidden: Tensor, position: int, depth: int
+    ) -> list[int] | None:
+        assert self.drafter is not None
+        with self.meter.phase("drafter"):
+            drafted = self.drafter.model.chain(
+                self.target.tables.embed, torch.tensor([token]), hidden, torch.tensor(position),
+                self.cache, depth, self.form.step,
+            )  # fmt: skip
+        return drafted.tolist()
+
     def truncate(self, length: int) -> bool:
         keeps = self.rings.truncated(length)
         self.cache.truncate(length if keeps else 0)
@@ -207,6 +224,8 @@ class StaticBackend:
         self.max_context = shapes.max_context
         self.max_draft = shapes.max_draft
         self.has_drafter = "draft_step" in runner.methods
+        self._token = torch.zeros(1, dtype=torch.long)  # a draft chain's input, refilled
+        self._token_values = self._token.numpy()
         self.vocab_size = cfg.vocab_size
         self.meter = Meter()
         self.calls: dict[str, int] = {}
@@ -218,7 +237,7 @@ class StaticBackend:
     def _call(self, method: str, *inputs: Tensor) -> tuple[Tensor, ...]:
         self.calls[method] = self.calls.get(method, 0) + 1
         before = getattr(self.runner, "bytes_copied", 0)
-        with self.meter.phase("drafter" if method.startswith("draft_step") else "target"):
+        with self.meter.phase("drafter" if method.startswith("draft") else "target"):
             out = self.runner.call(method, *inputs)
         copied = getattr(self.runner, "bytes_copied", 0) - before
         io = self._io_bytes.get(method)
@@ -308,6 +327,20 @@ class StaticBackend:
         inputs.position_values[0] = position
         method = self.shapes.draft_method(position)
         return self._call(method, inputs.embeds[0], hidden, inputs.positions)  # type: ignore[return-value]
+
+    def draft_chain(
+        self, token: int, hidden: Tensor, position: int, depth: int
+    ) -> list[int] | None:
+        """The bundle's `draft_K` for this depth and position, or None where it has none (a
+        bundle exported before draft chains, or for a backend without them)."""
+        method = self.shapes.chain_method(depth, position)
+        if method not in self.runner.methods:
+            return None
+        inputs = self._row_inputs.get(1) or self._allocate(1)
+        inputs.position_values[0] = position
+        self._token_values[0] = token
+        (drafted,) = self._call(method, self._token, hidden, inputs.positions)
+        return drafted.tolist()
 
     def truncate(self, length: int) -> bool:
         return self.rings.truncated(length)

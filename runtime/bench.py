@@ -165,6 +165,11 @@ class OracleDrafts:
         self.in_round = 0
         return self.inner.verify(ids, position)
 
+    def draft_chain(
+        self, token: int, hidden: Tensor, position: int, depth: int
+    ) -> list[int] | None:
+        return None  # each step's draft is replaced: step by step
+
     def draft_step(
         self, token: int, hidden: Tensor, position: int
     ) -> tuple[Tensor, Tensor | None, Tensor]:

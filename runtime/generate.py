@@ -172,11 +172,17 @@ def draft(
     gen: torch.Generator,
     vocab: int,
 ) -> tuple[list[int], Tensor | None, float]:
-    """Propose `depth` tokens after `token` (at `position`, not yet in the cache).
+    """Propose `depth` tokens after `token` (at `position`, not yet in the cache): greedy
+    drafts in one call where the backend can (`draft_chain`), else step by step.
 
     Returns the drafted ids, when sampling their draft distributions [depth, vocab], and the
     seconds spent choosing them.
     """
+    if params.greedy:
+        chain = getattr(backend, "draft_chain", None)
+        drafted = chain(token, hidden, position, depth) if chain is not None else None
+        if drafted is not None:
+            return drafted, None, 0.0
     tokens: list[int] = []
     dists = []
     choosing = 0.0

@@ -33,6 +33,9 @@ class OracleDrafts(StaticBackend):
         self.drafted_in_round = 0
         return super().verify(ids, position)
 
+    def draft_chain(self, token, hidden, position, depth):
+        return None  # its drafts are the oracle's, step by step
+
     def draft_step(self, token, hidden, position):
         j, i = position - self.prompt_len, self.drafted_in_round
         self.drafted_in_round += 1

@@ -97,11 +97,11 @@ def with_context_buckets(manifest: Manifest, buckets: tuple[int, ...]) -> Manife
     """`manifest` as an ExecuTorch cpu export with `--context-buckets` writes it: the buckets in
     its shapes and, per bucket, each prefill and decode method again under its bucketed name
     (`StaticBundle.methods`: same inputs and outputs, reading only the bucket's slots)."""
-    shapes = StaticShapes.from_manifest({**manifest["shapes"], "context_buckets": buckets})
+    shapes = StaticShapes(**{**manifest["shapes"], "context_buckets": buckets})
     out = copy.deepcopy(manifest)
     out["shapes"]["context_buckets"] = list(shapes.context_buckets)
     decode = ["prefill_intermediate", "prefill_final"]
-    decode += [f"verify_{k}" for k in shapes.verify_depths]
+    decode += [f"verify_{k}" for k in shapes.verify_depths()]
     decode += ["draft_step"] if manifest["drafter"] is not None else []
     for bucket in shapes.context_buckets:
         for name in decode:
@@ -197,45 +197,25 @@ def test_explicit_rounds_match_static_shapes(core, executorch_bucketed_manifest)
 
 
 def test_comparison_fails_on_a_manifest_with_another_draft_depth(core, onnx_manifest, tmp_path):
-    """A consistent manifest whose max_draft differs (1 instead of 2, verify_2 gone): the core
-    accepts it, and comparing what it read with the real manifest fails."""
+    """A consistent manifest whose max_draft differs (1 instead of 2, verify_2 renamed
+    verify_1): the core accepts it, and comparing what it read with the real manifest fails."""
     original = json.loads(onnx_manifest.read_text())
 
     def shallower(m: Manifest) -> None:
-        m["shapes"].update(max_draft=1, verify_depths=[0, 1])
+        m["shapes"]["max_draft"] = 1
         for table in ("methods", "method_io"):
-            del m[table]["verify_2"]
+            m[table]["verify_1"] = m[table].pop("verify_2")
 
     seen = understood(core, edited(onnx_manifest, tmp_path, shallower))
     problems = manifest_mismatches(seen, original)
     assert any(p.startswith("max_draft: core 1, manifest/Python 2") for p in problems), problems
     assert any(p.startswith("methods: ") for p in problems)
     assert any(p.startswith("rounds: ") for p in problems)  # no depth-2 rounds
+    assert any(p.startswith("round 1:2: ") and "verify_1" in p for p in problems)
 
 
-def test_core_pads_a_round_to_the_next_verify_depth_a_manifest_lists(core, onnx_manifest, tmp_path):
-    """A bundle with verify_0 and verify_2 only (as exports before a verify per depth wrote
-    them): a depth-1 round runs verify_2 with one pad row, in the core as in Python."""
-    older = json.loads(onnx_manifest.read_text())
-
-    def two_depths(m: Manifest) -> None:
-        m["shapes"]["verify_depths"] = [0, 2]
-        for table in ("methods", "method_io"):
-            del m[table]["verify_1"]
-
-    path = edited(onnx_manifest, tmp_path, two_depths)
-    two_depths(older)
-    seen = understood(core, path, "1:2")
-    assert manifest_mismatches(seen, older, ["1:2"]) == []
-    assert (seen["rounds"][0]["verify"], seen["rounds"][0]["pad"]) == ("verify_2", 1)
-
-
-def test_core_refuses_verify_depths_its_methods_cannot_run(core, onnx_manifest, tmp_path):
-    def without_verify_1(m: Manifest) -> None:
-        for table in ("methods", "method_io"):
-            del m[table]["verify_1"]
-
-    path = edited(onnx_manifest, tmp_path, without_verify_1)
+def test_core_refuses_a_max_draft_its_methods_cannot_run(core, onnx_manifest, tmp_path):
+    path = edited(onnx_manifest, tmp_path, lambda m: m["shapes"].update(max_draft=1))
     assert refusal(core, path) == (
         "the program has no method 'verify_1', which the shapes and drafter call for (it has "
         "draft_step, prefill_final, prefill_intermediate, verify_0, verify_2)"

@@ -278,6 +278,9 @@ class VerifySplitsFromAR:
         self.drafting = True
         return self.inner.draft_step(token, hidden, position)
 
+    def draft_chain(self, token, hidden, position, depth):
+        return None  # drafting is marked step by step
+
     def verify(self, ids, position):
         logits, hidden = self.inner.verify(ids, position)
         if self.drafting:

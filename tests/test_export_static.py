@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -67,6 +68,41 @@ def test_static_eager_matches_reference_tokens(reference, static, depth):
     assert got.calls["prefill_intermediate"] == 2 and got.calls["prefill_final"] == 1
     if depth:
         assert got.drafted == ref.metrics()["drafted"]
+
+
+@pytest.mark.parametrize("form", [None, EXPORT])
+def test_draft_chains_draft_what_draft_steps_draft(reference, paths, form):
+    """Given the token table, the bundle drafts greedily in one call per round (`draft_K`:
+    the picks and the token lookups in the method), to the tokens and acceptance of the
+    step-by-step rounds and of the reference."""
+    target, drafter = reference
+    ref = generate(target, _prompt(), N_NEW, drafter=drafter, mtp_depth=2, prefill_chunk=8)
+    fresh, fresh_drafter = _load(paths)
+    embedding = fresh.tables.token_rows_in_graph()
+    bundle = StaticBundle.build(
+        fresh.model, fresh_drafter.model, SHAPES, *([form] if form else []), embedding=embedding
+    )
+    assert {"draft_1", "draft_2"} <= set(bundle.methods())
+    backend = StaticBackend(EagerRunner(bundle), fresh.tables, fresh.cfg)
+    chained = greedy(backend, _prompt(), N_NEW, 2)
+    assert "draft_step" not in chained.calls and chained.calls["draft_2"] >= 3
+    stepped = greedy(StepOnly(backend), _prompt(), N_NEW, 2)
+    assert "draft_2" not in stepped.calls
+    assert chained.tokens == stepped.tokens == ref.tokens
+    assert chained.accepted == stepped.accepted == ref.accepted
+
+
+class StepOnly:
+    """A backend without draft chains: the engine drafts step by step."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft_chain(self, token, hidden, position, depth):
+        return None
 
 
 @pytest.mark.parametrize("window", [None, 16])
@@ -283,10 +319,13 @@ def test_context_buckets_must_fit_between_depth_and_context():
         StaticShapes(96, 2, 8, (96,))
     shapes = StaticShapes(96, 2, 8, [48, 12, 48])  # as a manifest's JSON gives them
     assert shapes.context_buckets == (12, 48)
-    assert shapes.verify_depths == (0, 1, 2)  # a verify per depth: no round pays for pad rows
-    assert shapes.verify_method(1, end=12) == ("verify_1_ctx12", 0)
+    assert shapes.verify_method(1, end=12) == ("verify_2_ctx12", 1)
+    every = shapes.every_depth()  # a verify per depth: no round pays for pad rows
+    assert every.verify_depths == (0, 1, 2)
+    assert every.verify_method(1, end=12) == ("verify_1_ctx12", 0)
     older = StaticShapes.from_manifest({"max_context": 96, "max_draft": 2, "chunk": 8})
     assert older.verify_method(1) == ("verify_2", 1)  # a bundle with verify_0 and verify_2 only
+    assert StaticShapes.from_manifest(asdict(every)) == every
     with pytest.raises(ValueError, match="must include 0"):
         StaticShapes(96, 2, 8, verify_depths=(1, 2))
     assert shapes.verify_method(0, end=13) == ("verify_0_ctx48", 0)

@@ -234,8 +234,8 @@ def test_bytes_moved_per_step_do_not_grow_with_context(onnx_bundle, pair, kind):
     rows = 3
     if kind == "reference":  # the K/V rows of the verified tokens, nothing else
         assert moved == rows * _kv_row_bytes(cfg)
-    else:  # I/O of verify_2 (3 rows: a verify per depth) + the new K/V rows + slot positions
-        padded = rows
+    else:  # I/O of verify_4 (5 rows, padded) + the new K/V rows + the slot-position vectors
+        padded = DEPTH + 1
         ple = cfg.num_layers * cfg.hidden_size_per_layer_input
         io = padded * 4 * (cfg.hidden_size + ple + cfg.vocab_size + cfg.hidden_size) + padded * 8
         ring = cfg.sliding_window + DEPTH + 1

@@ -87,3 +87,46 @@ def test_a_lookup_into_a_wrong_buffer_raises(monkeypatch, native):
     for out in (torch.zeros(2, 63), torch.zeros(64, 2).t(), torch.zeros(2, 64, dtype=torch.half)):
         with pytest.raises(ValueError, match="out must be contiguous float32 of 2 x 64 values"):
             rows.scaled([1, 2], 1.0, out=out)
+
+
+def _host_tables() -> dict[str, object]:
+    from edgemtp.model.tables import TensorRows
+    from edgemtp.quantize.tables import Int8Rows, quantize_int8_rows
+
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
+    return {
+        "q4_0": Q4_0Rows(random_blocks(40, 96, 18, seed=5), 96),
+        "q8_0": Q8_0Rows(random_blocks(40, 96, 34, seed=6), 96),
+        "int8": Int8Rows(*quantize_int8_rows(w)),
+        "bf16": TensorRows(w.bfloat16()),
+    }
+
+
+def test_rows_in_a_program_are_the_host_lookups():
+    """`TableInGraph` (a draft chain's token lookup) gives the host lookup's values bit for bit,
+    eagerly and as an ExecuTorch program (its ops outside any delegate)."""
+    from executorch.extension.pybindings import portable_lib
+
+    from edgemtp.export.executorch_program import (
+        backend_config,
+        export_method,
+        lower_programs,
+        xnnpack_partitioner,
+    )
+    from edgemtp.model.tables import TableInGraph
+
+    ids = torch.tensor([7, 0, 39, 7])
+    programs, want = {}, {}
+    for name, rows in _host_tables().items():
+        scale = 9.797959  # sqrt(96), as a token table scales
+        module = TableInGraph.of(rows, scale)
+        want[name] = rows.scaled(ids.tolist(), scale)
+        assert torch.equal(module(ids), want[name]), name
+        programs[name] = export_method(module, (ids,))
+    manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
+    loaded = portable_lib._load_for_executorch_from_buffer(
+        manager.to_executorch(backend_config()).buffer
+    )
+    for name, values in want.items():
+        got = loaded.run_method(name, (ids,))[0]
+        assert torch.equal(got, values), name

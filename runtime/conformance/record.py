@@ -147,6 +147,11 @@ class RecordingBackend:
         record["drafted"].append(int(ids[best]) if ids is not None else best)
         return out_hidden, ids, logits
 
+    def draft_chain(
+        self, token: int, hidden: Tensor, position: int, depth: int
+    ) -> list[int] | None:
+        return None  # the vectors record each draft step's call
+
     def verify(self, ids: list[int], position: int) -> tuple[Tensor, Tensor]:
         record = self._round()
         mark = len(self.log.calls)
