@@ -299,6 +299,7 @@ def test_bundle_manifest_describes_what_was_written(onnx_bundle, tmp_path):
         "max_draft": 2,
         "chunk": 8,
         "context_buckets": [],
+        "verify_depths": [0, 2],
     }
     roles = [layer["kv"] for layer in manifest["model"]["layers"]]
     assert roles == ["owns"] * 3 + ["stores"] * 2 + ["reuses"] * 5  # tiny: 5 KV-shared layers
