@@ -101,7 +101,7 @@ def with_context_buckets(manifest: Manifest, buckets: tuple[int, ...]) -> Manife
     out = copy.deepcopy(manifest)
     out["shapes"]["context_buckets"] = list(shapes.context_buckets)
     decode = ["prefill_intermediate", "prefill_final"]
-    decode += [f"verify_{k}" for k in shapes.verify_depths()]
+    decode += [f"verify_{k}" for k in shapes.verify_depths]
     decode += ["draft_step"] if manifest["drafter"] is not None else []
     for bucket in shapes.context_buckets:
         for name in decode:
@@ -202,7 +202,7 @@ def test_comparison_fails_on_a_manifest_with_another_draft_depth(core, onnx_mani
     original = json.loads(onnx_manifest.read_text())
 
     def shallower(m: Manifest) -> None:
-        m["shapes"]["max_draft"] = 1
+        m["shapes"].update(max_draft=1, verify_depths=[0, 1])
         for table in ("methods", "method_io"):
             m[table]["verify_1"] = m[table].pop("verify_2")
 
@@ -215,7 +215,9 @@ def test_comparison_fails_on_a_manifest_with_another_draft_depth(core, onnx_mani
 
 
 def test_core_refuses_a_max_draft_its_methods_cannot_run(core, onnx_manifest, tmp_path):
-    path = edited(onnx_manifest, tmp_path, lambda m: m["shapes"].update(max_draft=1))
+    path = edited(
+        onnx_manifest, tmp_path, lambda m: m["shapes"].update(max_draft=1, verify_depths=[0, 1])
+    )
     assert refusal(core, path) == (
         "the program has no method 'verify_1', which the shapes and drafter call for (it has "
         "draft_step, prefill_final, prefill_intermediate, verify_0, verify_2)"
