@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from edgemtp.errors import EdgeMTPError
 
 if TYPE_CHECKING:
     from edgemtp.model.config import TextConfig
+    from edgemtp.model.static import StaticShapes
 
 # --attention (the old name of --kernels) -> --kernels
 ATTENTION = {"kernel": "edgemtp", "matmul": "xnnpack"}
@@ -53,6 +55,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-context",
     )
     p.add_argument(
+        "--verify-depths",
+        default="ends",
+        help="draft depths with their own verify method: 'ends' (default: 0 and --draft-depth; "
+        "a shallower round is padded into the deepest), 'all' (every depth: no round pays for "
+        "rows it did not draft, for a method more per depth) or comma-separated depths",
+    )
+    p.add_argument(
+        "--draft-chains",
+        action="store_true",
+        help="ExecuTorch cpu with a drafter: greedy draft chains draft_K, K drafter steps with "
+        "their picks and token lookups in one program call",
+    )
+    p.add_argument(
         "--activations",
         choices=("int8", "fp32"),
         help="ONNX cpu: what the 4-bit linears multiply; int8 (default, as XNNPACK's 8da4w: "
@@ -85,6 +100,33 @@ def context_buckets(text: str, args: argparse.Namespace) -> tuple[int, ...]:
         raise EdgeMTPError(
             f"--context-buckets {text!r}: give token counts like 512,2048, 'auto' or 'none'"
         ) from None
+
+
+def with_verify_depths(shapes: StaticShapes, text: str) -> StaticShapes:
+    """The shapes with --verify-depths' verify methods."""
+    if text == "ends":
+        return shapes
+    if text == "all":
+        return shapes.every_depth()
+    try:
+        depths = tuple(int(d) for d in text.split(","))
+        return replace(shapes, verify_depths=depths)
+    except ValueError as e:
+        reason = str(e) if "must include" in str(e) else "give depths like 0,1,3"
+        raise EdgeMTPError(f"--verify-depths {text!r}: {reason}; or pass 'ends' or 'all'") from None
+
+
+def check_draft_chains(args: argparse.Namespace) -> None:
+    """Draft chains run the drafter's picks in the program: ExecuTorch's cpu delegate only."""
+    if args.drafter is None:
+        raise EdgeMTPError("--draft-chains: a bundle without --drafter has nothing to draft")
+    if (args.backend, args.delegate) != ("executorch", "cpu"):
+        raise EdgeMTPError(
+            f"--draft-chains: only ExecuTorch cpu bundles have draft chains (this is "
+            f"{args.backend}/{args.delegate}); drop it, the runtime drafts step by step"
+        )
+    if args.draft_depth < 1:
+        raise EdgeMTPError("--draft-chains: --draft-depth 0 drafts nothing; give 1 or more")
 
 
 def _check_context(max_context: int, max_draft: int, cfg: TextConfig, model: Path) -> None:
@@ -154,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         shapes = StaticShapes(args.max_context, args.draft_depth, chunk, buckets)
     except ValueError as e:
         raise EdgeMTPError(f"--context-buckets: {e}") from None
+    shapes = with_verify_depths(shapes, args.verify_depths)
+    if args.draft_chains:
+        check_draft_chains(args)
     t0 = time.perf_counter()
 
     def progress(msg: str) -> None:
@@ -170,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         args.force,
         args.activations,
         kernels,
+        args.draft_chains,
     )
     manifest = export(request, progress)
     size = sum(f["bytes"] for f in manifest["files"].values())

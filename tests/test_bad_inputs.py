@@ -172,6 +172,19 @@ CASES: dict[str, Case] = {
         "--max-context",
         "1000000",
     ],  # fmt: skip
+    "Draft chains on a backend without them": lambda d, m: [
+        *_export(m["target"], d / "out"),
+        "--drafter",
+        m["drafter"],
+        "--draft-chains",
+    ],  # fmt: skip
+    "Verify depths that leave out AR decode": lambda d, m: [
+        *_export(m["target"], d / "out"),
+        "--drafter",
+        m["drafter"],
+        "--verify-depths",
+        "1,3",
+    ],  # fmt: skip
     "An output folder that exists": lambda d, m: (
         (d / "out").mkdir(),
         _export(m["target"], d / "out"),

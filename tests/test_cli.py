@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from edgemtp.cli import main
 from edgemtp.model.synth import write_preset
+from edgemtp.runtime.session import Session
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +264,27 @@ def test_ctrl_c_during_generate_stops_with_the_tokens_so_far(tiny):
     assert lines[-1] == f"edgemtp generate: interrupted after {len(tokens)} tokens"
     assert lines[-2].startswith(f"-- {len(tokens)} tokens, ") and "Traceback" not in err.decode()
     assert 20 <= len(tokens) < 4000
+
+
+def test_export_with_a_verify_per_depth(tiny, tmp_path, capsys):
+    """`--verify-depths all`: a verify method per draft depth, recorded in the manifest; a
+    depth-1 round runs verify_1 (not verify_2 padded) and keeps AR's tokens."""
+    target, drafter = tiny
+    bundle = tmp_path / "b"
+    argv = ["export", "--model", target, "--drafter", drafter, "--backend", "onnx"]
+    argv += ["--quant", "none", "--activations", "fp32", "--max-context", "64"]
+    argv += ["--draft-depth", "2", "--verify-depths", "all", "--out", bundle]
+    assert run(capsys, *argv)[0] == 0
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["shapes"]["verify_depths"] == [0, 1, 2]
+    assert {"verify_0", "verify_1", "verify_2"} <= set(manifest["methods"])
+    tokens = {}
+    for depth in (0, 1):
+        argv = ["generate", "--bundle", bundle, "--prompt-ids", "2,10,11,12"]
+        code, out, _ = run(capsys, *argv, "--max-new-tokens", "12", "--json", "--mtp", depth)
+        assert code == 0
+        tokens[depth] = json.loads(out.strip().splitlines()[-1])["tokens"]
+    assert tokens[1] == tokens[0]
+    session = Session.from_bundle(bundle)
+    session.generate([2, 10, 11, 12], 12, mtp=1, stop_ids=())
+    assert session.backend.calls["verify_1"] > 0 and "verify_2" not in session.backend.calls

@@ -120,6 +120,9 @@ def test_demo_exports_once_and_reports_mtp_against_ar(demo_first_run, capsys) ->
     assert len(result["text"].strip()) > 20  # decoded text, not token ids
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend"] == "executorch" and manifest["quantization"]["scheme"] == "q4_0"
+    # a verify per depth and greedy draft chains: one drafter call and no padded rows a round
+    rounds = {f"verify_{k}" for k in range(4)} | {f"draft_{k}" for k in (1, 2, 3)}
+    assert rounds <= set(manifest["methods"]), sorted(manifest["methods"])
     stamp = (out / "manifest.json").stat().st_mtime_ns
 
     assert main(argv) == 0
