@@ -4,11 +4,12 @@
         [--etdump] [--against OTHER_BUNDLE] [--positions 16,480,1800]
         [--out benchmarks/results/NAME]
 
-Calls every decode method (verify_K, draft_step; prefill_final and its context buckets' with
---prefill) with inputs built from the manifest's signatures (positions past the prompt, so
-masks and ring writes are real), interleaved, `--repeat` rounds of `--calls` calls: the
-median ms per call (each method of ExecuTorch's `portable_lib` Module owns its cache, which no
-call here fills: its untouched pages are the zero page, so attention reads cost what L1 costs;
+Calls every decode method (verify_K, draft_step, the draft chains draft_K; prefill_final and
+its context buckets' with --prefill) with inputs built from the manifest's signatures
+(positions past the prompt, so masks and ring writes are real), interleaved, `--repeat`
+rounds of `--calls` calls: the median ms per call (each method of ExecuTorch's `portable_lib`
+Module owns its cache, which no call here fills: its untouched pages are the zero page, so
+attention reads cost what L1 costs;
 `--positions` times the decode method over a cache the runtime's prefill wrote). `--etdump`
 then loads the program again with ExecuTorch's event tracer and splits each method's time by
 operator type (XNNPACK ops inside the delegates, portable kernels outside them, and the per-call
@@ -53,7 +54,7 @@ def method_inputs(signature: dict) -> tuple[torch.Tensor, ...]:
 
 
 def decode_methods(manifest: dict, prefill: bool) -> dict[str, tuple[torch.Tensor, ...]]:
-    names = [n for n in manifest["methods"] if n.startswith(("verify_", "draft_step"))]
+    names = [n for n in manifest["methods"] if n.startswith(("verify_", "draft_"))]
     if prefill:  # and per context bucket, where the bundle has them
         names += [n for n in manifest["methods"] if n.startswith("prefill_final")]
     return {n: method_inputs(manifest["methods"][n]) for n in sorted(names)}
