@@ -3,7 +3,8 @@
 `cache_attention.cpp` (attention of a few rows over the static cache, reading only the slots
 some row attends to), `q4_0_linear.cpp` (GGML Q4_0 linears as llama.cpp computes them) and
 `rms_norm.cpp` (the norms and RoPE between them) implement the `edgemtp::` operators that
-`ops.py` declares, with the numerics each must reproduce.
+`ops.py` declares, with the numerics each must reproduce. The Q4_0 linear's arithmetic is
+`q4_0.h`, plain C++ without ExecuTorch (its tests build it alone, for arm64 under qemu too).
 
 ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
 library linked to that same file registers its kernels there when it is loaded. So `load()`
@@ -27,7 +28,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cache_attention.cpp", "q4_0_linear.cpp", "rms_norm.cpp")
 )
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_poly.h", "parallel.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_poly.h", "parallel.h", "q4_0.h"))
 LIBRARY = "libedgemtp_kernels.so"
 C10_HEADERS = "include/executorch/runtime/core/portable_type/c10"  # the c10 ExecuTorch vendors
 # what ExecuTorch's CMake package asks consumers for
