@@ -3,8 +3,9 @@ numerics in numpy over gguf's Q4_0 bytes: the aarch64 ones cross-compiled (Debia
 `g++-aarch64-linux-gnu`) and run under user-mode qemu (`qemu-user`), the x86 ones built here.
 
 One static binary per target (`tests/native/q4_0_check.cpp`) runs the variant it is asked for,
-or the one it picks from the CPU's features: under `qemu-aarch64 -cpu max` (dotprod) and
-`-cpu cortex-a53` (plain Armv8.0 NEON) the run-time choice is checked too.
+or the one it picks from the CPU's features: under `qemu-aarch64 -cpu max` (dotprod and i8mm),
+`-cpu cortex-a76` (dotprod) and `-cpu cortex-a53` (plain Armv8.0 NEON) the run-time choice is
+checked too.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ def arm64(tmp_path_factory) -> Path:
     [
         ("max", "neon", "neon"),
         ("max", "neon-dotprod", "neon-dotprod"),
-        ("max", "best", "neon-dotprod"),  # chosen from HWCAP
+        ("max", "neon-i8mm", "neon-i8mm"),
+        ("max", "best", "neon-i8mm"),  # chosen from HWCAP / HWCAP2
+        ("cortex-a76", "best", "neon-dotprod"),  # Armv8.2 with dotprod, no i8mm
         ("cortex-a53", "best", "neon"),  # Armv8.0: no dot product
         ("cortex-a53", "portable", "portable"),
     ],

@@ -3,8 +3,9 @@
 // for aarch64). See q4_0_linear.cpp for the numerics and the tensor layouts.
 //
 // Variants: a portable loop; AVX2 and AVX-512 VNNI where the compiler targets them; on aarch64,
-// NEON (every arm64 core) and NEON with the int8 dot product (sdot, Armv8.2 dotprod), chosen at
-// run time from the CPU's features, so one binary serves every phone.
+// NEON (every arm64 core), NEON with the int8 dot product (sdot, Armv8.2 dotprod) and with the
+// int8 matrix multiply (smmla, i8mm: two rows of x against two output rows in one instruction),
+// chosen at run time from the CPU's features, so one binary serves every phone.
 #pragma once
 
 #include <algorithm>
@@ -33,8 +34,10 @@
 // where the CPU has it
 #if defined(__clang__)
 #define EDGEMTP_DOTPROD __attribute__((target("dotprod")))
+#define EDGEMTP_I8MM __attribute__((target("dotprod,i8mm")))
 #else
 #define EDGEMTP_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#define EDGEMTP_I8MM __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))
 #endif
 #endif
 
@@ -347,7 +350,55 @@ EDGEMTP_DOTPROD void rows_neon_dot(const uint8_t* codes, const uint16_t* scales,
 }
 #endif
 
-enum class Variant { kPortable, kAvx2, kAvx512Vnni, kNeon, kNeonDot };
+#if defined(EDGEMTP_Q4_0_NEON)
+// Two output rows (codes c0, c1) against RP pairs of rows of x with smmla: each instruction
+// multiplies a 2 x 8 block of x (8 values of two rows) by the same 8 positions of both outputs'
+// codes, giving the 2 x 2 int32 dot products [row a out 0, row a out 1, row b out 0, row b out 1].
+// A block of 32 is 4 instructions for its 4 results (sdot: 8).
+template <int RP>
+EDGEMTP_I8MM void pairs_neon_i8mm(const uint8_t* c0, const uint8_t* c1, const uint16_t* s0,
+                                  const uint16_t* s1, int64_t blocks, const Q8View& x,
+                                  int64_t r0, float* y, int64_t y_stride) {
+  float32x4_t acc[RP];
+  for (int p = 0; p < RP; ++p) acc[p] = vdupq_n_f32(0.0f);
+  const uint8x16_t nibble = vdupq_n_u8(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8x16_t v0 = vld1q_u8(c0 + b * kBlockBytes), v1 = vld1q_u8(c1 + b * kBlockBytes);
+    const int8x16_t low0 = vreinterpretq_s8_u8(vandq_u8(v0, nibble));
+    const int8x16_t low1 = vreinterpretq_s8_u8(vandq_u8(v1, nibble));
+    const int8x16_t high0 = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4));
+    const int8x16_t high1 = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
+    // elements 0-7, 8-15, 16-23, 24-31 of both outputs
+    const int8x16_t w[4] = {vcombine_s8(vget_low_s8(low0), vget_low_s8(low1)),
+                            vcombine_s8(vget_high_s8(low0), vget_high_s8(low1)),
+                            vcombine_s8(vget_low_s8(high0), vget_low_s8(high1)),
+                            vcombine_s8(vget_high_s8(high0), vget_high_s8(high1))};
+    const float sa = half_to_float(s0[b]), sb = half_to_float(s1[b]);
+    const float32x4_t scale = {sa, sb, sa, sb};
+    for (int p = 0; p < RP; ++p) {
+      const BlockOfX xa = block_of_x(x, r0 + 2 * p, b), xb = block_of_x(x, r0 + 2 * p + 1, b);
+      const int8x16_t la = vld1q_s8(xa.low), lb = vld1q_s8(xb.low);
+      const int8x16_t ha = vld1q_s8(xa.low + 64), hb = vld1q_s8(xb.low + 64);
+      int32x4_t dot = vcombine_s32(vdup_n_s32(xa.bias4[0]), vdup_n_s32(xb.bias4[0]));
+      dot = vmmlaq_s32(dot, vcombine_s8(vget_low_s8(la), vget_low_s8(lb)), w[0]);
+      dot = vmmlaq_s32(dot, vcombine_s8(vget_high_s8(la), vget_high_s8(lb)), w[1]);
+      dot = vmmlaq_s32(dot, vcombine_s8(vget_low_s8(ha), vget_low_s8(hb)), w[2]);
+      dot = vmmlaq_s32(dot, vcombine_s8(vget_high_s8(ha), vget_high_s8(hb)), w[3]);
+      const float32x4_t d = vcombine_f32(vdup_n_f32(xa.d4[0]), vdup_n_f32(xb.d4[0]));
+      acc[p] = vfmaq_f32(acc[p], vcvtq_f32_s32(dot), vmulq_f32(d, scale));
+    }
+  }
+  for (int p = 0; p < RP; ++p) {
+    float* ya = y + 2 * p * y_stride;
+    ya[0] = vgetq_lane_f32(acc[p], 0);
+    ya[1] = vgetq_lane_f32(acc[p], 1);
+    ya[y_stride] = vgetq_lane_f32(acc[p], 2);
+    ya[y_stride + 1] = vgetq_lane_f32(acc[p], 3);
+  }
+}
+#endif
+
+enum class Variant { kPortable, kAvx2, kAvx512Vnni, kNeon, kNeonDot, kNeonI8mm };
 
 inline const char* variant_name(Variant v) {
   switch (v) {
@@ -356,6 +407,7 @@ inline const char* variant_name(Variant v) {
     case Variant::kAvx512Vnni: return "avx512vnni";
     case Variant::kNeon: return "neon";
     case Variant::kNeonDot: return "neon-dotprod";
+    case Variant::kNeonI8mm: return "neon-i8mm";
   }
   return "?";
 }
@@ -383,6 +435,18 @@ inline bool supported(Variant v) {
       return false;
 #endif
     }
+    case Variant::kNeonI8mm: {  // its odd rows and outputs run the dotprod kernel
+      if (!supported(Variant::kNeonDot)) return false;
+#if defined(__APPLE__)
+      int has = 0;
+      size_t size = sizeof has;
+      return sysctlbyname("hw.optional.arm.FEAT_I8MM", &has, &size, nullptr, 0) == 0 && has;
+#elif defined(__linux__) && defined(HWCAP2_I8MM)
+      return (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+#else
+      return false;
+#endif
+    }
 #endif
     default: return false;
   }
@@ -391,7 +455,8 @@ inline bool supported(Variant v) {
 // The fastest variant this build and CPU have (asked once: the answer cannot change).
 inline Variant best_variant() {
   static const Variant best = [] {
-    for (Variant v : {Variant::kAvx512Vnni, Variant::kAvx2, Variant::kNeonDot, Variant::kNeon}) {
+    for (Variant v : {Variant::kAvx512Vnni, Variant::kAvx2, Variant::kNeonI8mm, Variant::kNeonDot,
+                      Variant::kNeon}) {
       if (supported(v)) return v;
     }
     return Variant::kPortable;
@@ -403,6 +468,27 @@ template <Variant V, int R>
 void output_rows(const uint8_t* codes, const uint16_t* scales, int64_t in, const Q8View& a,
                  int64_t r0, int64_t begin, int64_t end, float* y, int64_t out) {
   const int64_t blocks = in / kBlock;
+#if defined(EDGEMTP_Q4_0_NEON)
+  if constexpr (V == Variant::kNeonI8mm) {  // output rows and rows of x in pairs
+    int64_t o = begin;
+    for (; R > 1 && o + 1 < end; o += 2) {
+      const uint8_t* c = codes + o * (in / 2);
+      const uint16_t* s = scales + o * blocks;
+      float* yo = y + r0 * out + o;
+      pairs_neon_i8mm<R / 2>(c, c + in / 2, s, s + blocks, blocks, a, r0, yo, out);
+      if constexpr (R % 2) {  // the last row of x, against each output
+        rows_neon_dot<1>(c, s, blocks, a, r0 + R - 1, yo + (R - 1) * out, out);
+        rows_neon_dot<1>(c + in / 2, s + blocks, blocks, a, r0 + R - 1, yo + (R - 1) * out + 1,
+                         out);
+      }
+    }
+    for (; o < end; ++o) {
+      rows_neon_dot<R>(codes + o * (in / 2), scales + o * blocks, blocks, a, r0,
+                       y + r0 * out + o, out);
+    }
+    return;
+  }
+#endif
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* c = codes + o * (in / 2);
     const uint16_t* s = scales + o * blocks;
@@ -468,6 +554,7 @@ inline RangeFn range_for(Variant variant) {
 #if defined(EDGEMTP_Q4_0_NEON)
     case Variant::kNeon: return output_range<Variant::kNeon>;
     case Variant::kNeonDot: return output_range<Variant::kNeonDot>;
+    case Variant::kNeonI8mm: return output_range<Variant::kNeonI8mm>;
 #endif
     default: return output_range<Variant::kPortable>;
   }

@@ -1,7 +1,8 @@
 // runtime/kernels/q4_0.h alone, as a program: y = x W^T in the variant asked for, so the tests
 // can run each variant's arithmetic on any machine, aarch64 ones under qemu.
 //
-//   q4_0_check VARIANT IN OUT   (VARIANT: portable, avx2, avx512vnni, neon, neon-dotprod, best)
+//   q4_0_check VARIANT IN OUT   (VARIANT: portable, avx2, avx512vnni, neon, neon-dotprod,
+//                               neon-i8mm, best)
 //   IN:  int64 rows, in, out; float32 x [rows, in]; uint8 codes [out, in / 2];
 //        uint16 float16 scale bits [out, in / 32]
 //   OUT: float32 y [rows, out]
@@ -28,7 +29,7 @@ int main(int argc, char** argv) {
   if (std::strcmp(argv[1], "best") != 0) {
     bool known = false;
     for (Variant v : {Variant::kPortable, Variant::kAvx2, Variant::kAvx512Vnni, Variant::kNeon,
-                      Variant::kNeonDot}) {
+                      Variant::kNeonDot, Variant::kNeonI8mm}) {
       if (std::strcmp(argv[1], edgemtp::q4_0::variant_name(v)) == 0) variant = v, known = true;
     }
     if (!known) {
