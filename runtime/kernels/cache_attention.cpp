@@ -71,7 +71,12 @@ constexpr int kLanes = 8;
 constexpr int kLanes = 4;
 #endif
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-using HalfVec = _Float16 __attribute__((vector_size(kLanes * sizeof(_Float16))));
+// IEEE binary16 (GCC before 13 has no _Float16 in C++ on aarch64; its __fp16 is the same format)
+#if defined(__aarch64__) && !defined(__clang__)
+using Float16 = __fp16;
+#else
+using Float16 = _Float16;
+#endif
 
 inline Vec load(const float* p) {
   Vec v;
@@ -82,7 +87,7 @@ inline Vec load(const float* p) {
 // Float16 widened a whole register at a time. Written out per target: left to
 // __builtin_convertvector, GCC widened lane by lane (one scalar conversion and shuffle per
 // float), which was most of a long-context decode's attention.
-inline Vec load(const _Float16* p) {
+inline Vec load(const Float16* p) {
 #if defined(__AVX512F__)
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return reinterpret_cast<Vec>(_mm512_cvtph_ps(h));
@@ -92,6 +97,7 @@ inline Vec load(const _Float16* p) {
 #elif defined(__ARM_NEON) && defined(__aarch64__)
   return reinterpret_cast<Vec>(vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p))));
 #else
+  using HalfVec = Float16 __attribute__((vector_size(kLanes * sizeof(Float16))));
   HalfVec h;
   std::memcpy(&h, p, sizeof h);
   return __builtin_convertvector(h, Vec);
@@ -220,7 +226,7 @@ struct Partial {  // one chunk's softmax state per query row: max, sum, unnormal
   float* acc;
 };
 
-// One call's inputs, the cache's element type T (float or _Float16); the call's own keys in T.
+// One call's inputs, the cache's element type T (float or Float16); the call's own keys in T.
 template <typename T>
 struct Call {
   const float* q;
@@ -390,16 +396,16 @@ Tensor& attention(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_ca
     attend(call, kv_heads, od, by_rows);
   };
   if (cache_type == ScalarType::Half) {
-    using executorch::aten::Half;  // IEEE binary16 storage, as _Float16
+    using executorch::aten::Half;  // IEEE binary16 storage, as Float16
     const int64_t n = kv_heads * fresh * dim;
-    thread_local std::vector<_Float16> rounded;
+    thread_local std::vector<Float16> rounded;
     rounded.resize(static_cast<size_t>(2 * n));
     for (int64_t i = 0; i < n; ++i) {
-      rounded[i] = static_cast<_Float16>(kn[i]);
-      rounded[n + i] = static_cast<_Float16>(vn[i]);
+      rounded[i] = static_cast<Float16>(kn[i]);
+      rounded[n + i] = static_cast<Float16>(vn[i]);
     }
-    run(reinterpret_cast<const _Float16*>(k_cache.const_data_ptr<Half>()),
-        reinterpret_cast<const _Float16*>(v_cache.const_data_ptr<Half>()), rounded.data(),
+    run(reinterpret_cast<const Float16*>(k_cache.const_data_ptr<Half>()),
+        reinterpret_cast<const Float16*>(v_cache.const_data_ptr<Half>()), rounded.data(),
         rounded.data() + n);
   } else {
     run(k_cache.const_data_ptr<float>(), v_cache.const_data_ptr<float>(), kn, vn);
