@@ -118,3 +118,19 @@ def test_x86_variants_match_numpy(tmp_path, flags, variant):
         pytest.skip("x86 vector targets")
     program = build("g++", flags, tmp_path / "q4_0_check")
     assert run_cases([str(program)], "best", tmp_path) == variant
+
+
+def test_every_kernel_source_compiles_for_arm64(arm64, tmp_path):
+    """The ExecuTorch operators themselves (attention, norms, the Q4_0 linear) as an arm64
+    runtime compiles them, against the installed ExecuTorch's headers."""
+    from edgemtp.runtime import kernels
+
+    root = kernels.executorch_root()
+    include = [f"-I{root / 'include'}", f"-I{root / kernels.C10_HEADERS}"]
+    for source in kernels.SOURCES:
+        done = subprocess.run(
+            [CROSS, "-std=c++17", "-O2", "-fPIC", "-DC10_USING_CUSTOM_GENERATED_MACROS",
+             *include, "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, (source.name, done.stderr[-3000:])
