@@ -301,6 +301,16 @@ inline BlockOfX block_of_x(const Q8View& x, int64_t row, int64_t b) {
           x.bias + quad * 16 + lane * 4};
 }
 
+// A block's 32 codes as two registers of int8: elements 0-15 (low nibbles), 16-31 (high).
+struct Codes {
+  int8x16_t low, high;
+};
+
+inline Codes unpack(const uint8_t* block) {
+  const uint8x16_t v = vld1q_u8(block);
+  return {vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15))), vreinterpretq_s8_u8(vshrq_n_u8(v, 4))};
+}
+
 // One block at a time for R rows of x: the codes unpacked once, each row's 32 products in int16
 // pairs (|15 * 127| twice fits), widened and summed to 4 int32 lanes.
 template <int R>
@@ -308,11 +318,8 @@ void rows_neon(const uint8_t* codes, const uint16_t* scales, int64_t blocks, con
                int64_t r0, float* y, int64_t y_stride) {
   float32x4_t acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vdupq_n_f32(0.0f);
-  const uint8x16_t nibble = vdupq_n_u8(15);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8x16_t v = vld1q_u8(codes + b * kBlockBytes);
-    const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(v, nibble));
-    const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+    const auto [low, high] = unpack(codes + b * kBlockBytes);
     const float s = half_to_float(scales[b]);
     for (int r = 0; r < R; ++r) {
       const BlockOfX xb = block_of_x(x, r0 + r, b);
@@ -333,11 +340,8 @@ EDGEMTP_DOTPROD void rows_neon_dot(const uint8_t* codes, const uint16_t* scales,
                                    const Q8View& x, int64_t r0, float* y, int64_t y_stride) {
   float32x4_t acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vdupq_n_f32(0.0f);
-  const uint8x16_t nibble = vdupq_n_u8(15);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8x16_t v = vld1q_u8(codes + b * kBlockBytes);
-    const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(v, nibble));
-    const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+    const auto [low, high] = unpack(codes + b * kBlockBytes);
     const float s = half_to_float(scales[b]);
     for (int r = 0; r < R; ++r) {
       const BlockOfX xb = block_of_x(x, r0 + r, b);
@@ -361,13 +365,9 @@ EDGEMTP_I8MM void pairs_neon_i8mm(const uint8_t* c0, const uint8_t* c1, const ui
                                   int64_t r0, float* y, int64_t y_stride) {
   float32x4_t acc[RP];
   for (int p = 0; p < RP; ++p) acc[p] = vdupq_n_f32(0.0f);
-  const uint8x16_t nibble = vdupq_n_u8(15);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8x16_t v0 = vld1q_u8(c0 + b * kBlockBytes), v1 = vld1q_u8(c1 + b * kBlockBytes);
-    const int8x16_t low0 = vreinterpretq_s8_u8(vandq_u8(v0, nibble));
-    const int8x16_t low1 = vreinterpretq_s8_u8(vandq_u8(v1, nibble));
-    const int8x16_t high0 = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4));
-    const int8x16_t high1 = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
+    const auto [low0, high0] = unpack(c0 + b * kBlockBytes);
+    const auto [low1, high1] = unpack(c1 + b * kBlockBytes);
     // elements 0-7, 8-15, 16-23, 24-31 of both outputs
     const int8x16_t w[4] = {vcombine_s8(vget_low_s8(low0), vget_low_s8(low1)),
                             vcombine_s8(vget_high_s8(low0), vget_high_s8(low1)),
