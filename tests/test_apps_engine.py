@@ -13,7 +13,9 @@
   choices follow timing) must give the tokens greedy decoding gives; the text must be the
   Python tokenizer's decode of the tokens, and the text streamed piece by piece the same; a
   chat's second turn must reuse the first turn's cache and give Python's tokens; a seeded
-  sampled run must repeat.
+  sampled run must repeat. With one set of memory arenas per method (as ExecuTorch's Java
+  Module loads them) the methods no longer share the cache, and the tokens go wrong silently:
+  the reason the apps run ExecuTorch in C++.
 - Host-side protocols: `engine_pipe` runs the Engine with a runner that asks this process, which
   executes the methods in Python: an ONNX bundle's with ONNX Runtime (the engine keeping the
   cache arrays and writing back the returned rows, as OnnxRunner) and a Core ML bundle's forms
@@ -321,6 +323,22 @@ def test_greedy_tokens_and_rounds_equal_python(engine_run, demo_bundle, session,
         assert stats["ttft_s"] > 0 and stats["decode_s"] > 0
         assert set(stats["seconds_by_phase"]) == {"embed", "target", "drafter", "host"}
         assert (stats["seconds_by_phase"]["drafter"] > 0) == (depth > 0)
+
+
+def test_separate_memory_arenas_decode_wrong_tokens_silently(engine_run, demo_bundle, session,
+                                                           prompts):
+    """The runner as a Module built without share_memory_arenas (the stock ExecuTorch AAR's
+    Java Module) runs it: each method gets its own copy of the cache, so decode steps never see
+    what prefill wrote. Nothing fails; the tokens are wrong. Every other test here runs the
+    runner as the app builds it (shared arenas) and gets Python's tokens."""
+    ids = session.tokenizer.encode_prompt(prompts[1])
+    expected = _python(session, ids, 0).tokens
+    shared = _engine(engine_run, demo_bundle, "--prompt", prompts[1], "--depth", "0",
+                     "--tokens", "16")  # fmt: skip
+    separate = _engine(engine_run, demo_bundle, "--separate-arenas", "--prompt", prompts[1],
+                       "--depth", "0", "--tokens", "16")  # fmt: skip
+    assert shared["tokens"] == expected[:16]
+    assert len(separate["tokens"]) == 16 and separate["tokens"] != shared["tokens"]
 
 
 def test_adaptive_depth_gives_greedy_tokens(engine_run, demo_bundle, session, prompts):

@@ -17,31 +17,27 @@ if(NOT executorch_FOUND OR NOT EXECUTORCH_FOUND)
   return()
 endif()
 
-# edgemtp's own ExecuTorch kernels (runtime/kernels: what `--kernels edgemtp` bundles call)
-# register themselves with the runtime when linked in.
-file(GLOB EDGEMTP_KERNELS CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/../../../runtime/kernels/*.cpp)
-# Compiled as the Python runtime compiles them on this host (native.py's NATIVE_FLAGS): the
-# same vector code, so this engine's numbers are the Python runtime's bit for bit (another
+# Kernels compiled as the Python runtime compiles them on this host (native.py's NATIVE_FLAGS):
+# the same vector code, so this engine's numbers are the Python runtime's bit for bit (another
 # vector width sums in another order, and an 8da4w model's near-ties then flip).
-# GCC 12's AVX-512 headers trip its own -Wmaybe-uninitialized (their _mm512_undefined_*).
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64|amd64")
   set(EDGEMTP_KERNEL_FLAGS -O3 -march=native -mprefer-vector-width=512)
 else()
   set(EDGEMTP_KERNEL_FLAGS -O3 -mcpu=native)
 endif()
-set_source_files_properties(${EDGEMTP_KERNELS} PROPERTIES COMPILE_OPTIONS
-  "${EDGEMTP_KERNEL_FLAGS};$<$<CXX_COMPILER_ID:GNU>:-Wno-maybe-uninitialized>")
-add_executable(engine_run ${CMAKE_CURRENT_LIST_DIR}/engine_run.cpp
-                          ${CMAKE_CURRENT_LIST_DIR}/engine_cli.cpp
-                          ${CMAKE_CURRENT_LIST_DIR}/executorch_runner.cpp
-                          ${EDGEMTP_KERNELS})
-target_link_libraries(engine_run PRIVATE edgemtp_core)
-edgemtp_warnings(engine_run)
+include(${CMAKE_CURRENT_LIST_DIR}/../executorch/executorch.cmake)
 if(TARGET executorch::runtime)  # CMake 3.28+: imported targets carry everything
-  target_link_libraries(engine_run PRIVATE ${EXECUTORCH_LIBRARIES})
+  edgemtp_add_executorch(LIBRARIES ${EXECUTORCH_LIBRARIES} KERNEL_OPTIONS ${EDGEMTP_KERNEL_FLAGS})
 else()  # older CMake: the package's variables, applied by hand
+  edgemtp_add_executorch(LIBRARIES ${EXECUTORCH_LIBRARIES} INCLUDE_DIRS ${EXECUTORCH_INCLUDE_DIRS}
+                         DEFINITIONS ${EXECUTORCH_COMPILE_DEFINITIONS}
+                         KERNEL_OPTIONS ${EDGEMTP_KERNEL_FLAGS})
+endif()
+add_executable(engine_run ${CMAKE_CURRENT_LIST_DIR}/engine_run.cpp
+                          ${CMAKE_CURRENT_LIST_DIR}/engine_cli.cpp)
+target_link_libraries(engine_run PRIVATE edgemtp_executorch)
+edgemtp_warnings(engine_run)
+if(NOT TARGET executorch::runtime)
   target_include_directories(engine_run SYSTEM PRIVATE ${EXECUTORCH_INCLUDE_DIRS})
-  target_compile_definitions(engine_run PRIVATE ${EXECUTORCH_COMPILE_DEFINITIONS})
-  target_link_libraries(engine_run PRIVATE ${EXECUTORCH_LIBRARIES})
   set_target_properties(engine_run PROPERTIES BUILD_RPATH "${EXECUTORCH_RUNTIME_LIBRARY_DIR}")
 endif()

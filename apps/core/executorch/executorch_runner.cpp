@@ -9,6 +9,10 @@
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/backend/options.h>
+#if __has_include(<executorch/extension/threadpool/threadpool.h>)
+#include <executorch/extension/threadpool/threadpool.h>
+#define EDGEMTP_HAS_THREADPOOL 1
+#endif
 
 namespace edgemtp {
 
@@ -36,12 +40,19 @@ void enable_xnnpack_weight_cache() {
 
 }  // namespace
 
-ExecuTorchRunner::ExecuTorchRunner(const std::string& program) : program_(program) {
+ExecuTorchRunner::ExecuTorchRunner(const std::string& program, const ExecuTorchOptions& options)
+    : program_(program) {
   enable_xnnpack_weight_cache();
+#ifdef EDGEMTP_HAS_THREADPOOL
+  if (options.threads > 0) {
+    executorch::extension::threadpool::get_threadpool()->_unsafe_reset_threadpool(
+        static_cast<uint32_t>(options.threads));
+  }
+#endif
   // share_memory_arenas: the program was planned with share_mutable_buffers, so every method
   // must see the same cache buffers (the drafter reads what the target writes).
   module_ = std::make_unique<Module>(program, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
-                                     /*share_memory_arenas=*/true);
+                                     options.share_memory_arenas);
   if (auto error = module_->load(); error != executorch::runtime::Error::Ok) {
     throw Error(program + ": ExecuTorch cannot load the program: " + describe(error) +
                 "; copy the bundle again or export it again");
