@@ -2,14 +2,18 @@
 
 - The JNI bridge (app/src/main/cpp/edgemtp_jni.cpp) compiles with the host g++ against the JDK's
   jni.h and the core's headers, with the warnings the core builds with, as errors.
+- The app's native build (app/src/main/cpp/CMakeLists.txt) configured on the host against the
+  executorch wheel instead of an ExecuTorch source build: libedgemtp_jni.so links with no
+  undefined symbol, exports the bridge, and loading it registers edgemtp's kernels with
+  ExecuTorch (so kernel bundles run in the app).
 - Every Kotlin `external fun` of NativeEngine has its `Java_...` export (JNI name mangling) with
   parameter and return types that fit, and every export has its `external fun`; every Kotlin
   method the bridge looks up (GetMethodID name and JNI signature) exists in the Kotlin sources
   with that signature, as does every class it finds.
 - The app writes benchmark results where `edgemtp bench collect --adb` pulls them
   (runtime/bench_report.py's ANDROID_RESULTS), named as the report names them.
-- The pins: the ExecuTorch AAR matches the exporter's wheel, the Gradle wrapper files are Gradle
-  9.4.1's, and the native build adds apps/core.
+- The pins: the ExecuTorch the native build compiles is the exporter's wheel's release, the
+  Gradle wrapper files are Gradle 9.4.1's, and the native build adds apps/core.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -403,6 +408,7 @@ def jni_object(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"-I{include}",
         f"-I{include / 'linux'}",
         f"-I{ROOT / 'apps' / 'core' / 'include'}",
+        f"-I{ROOT / 'apps' / 'core' / 'executorch'}",
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"edgemtp_jni.cpp does not compile:\n{proc.stderr[-4000:]}"
@@ -422,6 +428,56 @@ def test_jni_bridge_compiles_and_exports_what_kotlin_declares(jni_object: Path, 
         f"Java_{owner}_{_mangle(name)}" for name, _, _, external in engine.functions if external
     }
     assert exported == expected | {"JNI_OnLoad"}
+
+
+@pytest.fixture(scope="module")
+def native_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The app's CMakeLists.txt built on the host, linked to the executorch wheel."""
+    import executorch
+
+    package = Path(next(iter(executorch.__path__)))
+    include = _jdk_include()
+    if include is None or shutil.which("cmake") is None or shutil.which("g++") is None:
+        pytest.skip("needs cmake, g++ and a JDK's include/jni.h")
+    if not (package / "lib" / "cmake" / "executorch").is_dir():
+        pytest.skip("the executorch wheel has no CMake package here")
+    build = tmp_path_factory.mktemp("jni-build")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = subprocess.run(
+        ["cmake", "-S", str(JNI_SOURCE.parent), "-B", str(build), *generator,
+         f"-DEDGEMTP_EXECUTORCH_VERSION={version('executorch')}",
+         f"-DEDGEMTP_EXECUTORCH_PACKAGE_DIR={package}", f"-DEDGEMTP_JNI_INCLUDE={include}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert configure.returncode == 0, configure.stdout[-3000:] + configure.stderr[-3000:]
+    done = subprocess.run(["cmake", "--build", str(build), "--target", "edgemtp_jni", "-j2"],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return build / "libedgemtp_jni.so"
+
+
+def test_native_library_runs_executorch_with_edgemtps_kernels(native_library: Path) -> None:
+    undefined = subprocess.run(["ldd", "-r", str(native_library)], capture_output=True, text=True)
+    assert undefined.returncode == 0
+    assert "undefined symbol" not in undefined.stdout + undefined.stderr
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(native_library)],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "Java_dev_edgemtp_sample_engine_NativeEngine_nativeOpenExecuTorch" in exported
+    # Loaded into a process running ExecuTorch, the library adds edgemtp's operators to the
+    # runtime's registry (what a `--kernels edgemtp` program needs).
+    probe = (
+        "import ctypes, sys\n"
+        "from executorch.extension.pybindings import portable_lib as et\n"
+        "before = set(et._get_operator_names())\n"
+        "ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)\n"
+        "print(' '.join(sorted(set(et._get_operator_names()) - before)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(native_library)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    added = set(done.stdout.split())
+    assert {"edgemtp::q4_0_linear.out", "edgemtp::cache_attention.out",
+            "edgemtp::rms_norm.out"} <= added, added  # fmt: skip
 
 
 # --- (b) the bridge and the Kotlin sources agree -------------------------------------------------
@@ -542,9 +598,16 @@ def test_bench_result_file_names_match_the_report() -> None:
 # --- the pins -------------------------------------------------------------------------------------
 
 
-def test_executorch_aar_matches_the_exporters_wheel() -> None:
+def test_executorch_built_in_is_the_exporters_wheel() -> None:
     catalog = tomllib.loads((ANDROID / "gradle" / "libs.versions.toml").read_text())
     assert catalog["versions"]["executorch"] == version("executorch")
+    # Gradle hands that version to the native build, which fetches that tag; no ExecuTorch AAR
+    # (whose Java Module cannot share the methods' memory arenas) is on the classpath.
+    gradle = (APP / "build.gradle.kts").read_text()
+    assert "-DEDGEMTP_EXECUTORCH_VERSION=${libs.versions.executorch.get()}" in gradle
+    native_build = (JNI_SOURCE.parent / "CMakeLists.txt").read_text()
+    assert "GIT_TAG v${EDGEMTP_EXECUTORCH_VERSION}" in native_build
+    assert "org.pytorch" not in (ANDROID / "gradle" / "libs.versions.toml").read_text()
     # The ONNX Runtime AAR may trail the wheel (the README says which and why); never lead it.
     aar = tuple(int(x) for x in catalog["versions"]["onnxruntime"].split("."))
     wheel = version("onnxruntime")
@@ -570,8 +633,9 @@ def test_gradle_wrapper_is_gradle_9_4_1() -> None:
 def test_native_build_adds_the_core() -> None:
     cmake = (APP / "src" / "main" / "cpp" / "CMakeLists.txt").read_text()
     relative = re.search(
-        r"add_subdirectory\(\$\{CMAKE_CURRENT_SOURCE_DIR\}/([\w./]+)", cmake
+        r"set\(EDGEMTP_CORE_DIR \$\{CMAKE_CURRENT_SOURCE_DIR\}/([\w./]+)\)", cmake
     ).group(1)
+    assert "add_subdirectory(${EDGEMTP_CORE_DIR}" in cmake
     core = (JNI_SOURCE.parent / relative).resolve()
     assert core == ROOT / "apps" / "core"
     assert "project(edgemtp_core" in (core / "CMakeLists.txt").read_text()

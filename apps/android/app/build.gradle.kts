@@ -3,6 +3,13 @@ plugins {
     alias(libs.plugins.kotlin.compose)
 }
 
+// ExecuTorch is built from source into the native library (src/main/cpp/CMakeLists.txt): a local
+// checkout of the catalog's release when given, else CMake fetches the tag.
+val executorchSourceDir: String? =
+    (findProperty("executorchSourceDir") as String?) ?: System.getenv("EXECUTORCH_SOURCE_DIR")
+// Qualcomm's QNN SDK (QAIRT), for the qnn flavor: ExecuTorch's QNN backend and the HTP libraries.
+val qnnSdkRoot: String? = (findProperty("qnnSdkRoot") as String?) ?: System.getenv("QNN_SDK_ROOT")
+
 android {
     namespace = "dev.edgemtp.sample"
     compileSdk = libs.versions.compileSdk.get().toInt()
@@ -17,26 +24,38 @@ android {
         versionName = "0.1.0"
 
         externalNativeBuild {
-            cmake { arguments += "-DANDROID_STL=c++_static" }
+            cmake {
+                arguments += listOf(
+                    "-DANDROID_STL=c++_static",
+                    "-DEDGEMTP_EXECUTORCH_VERSION=${libs.versions.executorch.get()}",
+                )
+                executorchSourceDir?.let { arguments += "-DEDGEMTP_EXECUTORCH_SOURCE_DIR=$it" }
+            }
         }
         buildConfigField("String", "ONNXRUNTIME_VERSION", "\"${libs.versions.onnxruntime.get()}\"")
+        buildConfigField("String", "EXECUTORCH_VERSION", "\"${libs.versions.executorch.get()}\"")
     }
 
-    // One flavor per ExecuTorch AAR: both have the same classes, so exactly one goes in an APK.
-    // Both keep the application id, so the bench folder stays where `bench collect` looks.
+    // cpu: ExecuTorch with XNNPACK and edgemtp's kernels; qnn: the same plus ExecuTorch's QNN
+    // backend and Qualcomm's HTP libraries. Both keep the application id, so the bench folder
+    // stays where `bench collect` looks.
     flavorDimensions += "accelerator"
     productFlavors {
         create("cpu") {
             dimension = "accelerator"
             buildConfigField("boolean", "QNN", "false")
-            buildConfigField("String", "EXECUTORCH_VERSION", "\"${libs.versions.executorch.get()}\"")
             ndk { abiFilters += listOf("arm64-v8a", "x86_64") } // x86_64: the emulator, for the UI
         }
         create("qnn") {
             dimension = "accelerator"
             buildConfigField("boolean", "QNN", "true")
-            buildConfigField("String", "EXECUTORCH_VERSION", "\"${libs.versions.executorchQnn.get()}\"")
             ndk { abiFilters += "arm64-v8a" } // the only ABI of Qualcomm's HTP libraries
+            externalNativeBuild {
+                cmake {
+                    arguments += "-DEDGEMTP_QNN=ON"
+                    qnnSdkRoot?.let { arguments += "-DQNN_SDK_ROOT=$it" }
+                }
+            }
         }
     }
 
@@ -69,7 +88,7 @@ android {
         jniLibs {
             // QNN's Hexagon libraries must be files on disk for the DSP loader to open them.
             useLegacyPackaging = true
-            // ExecuTorch (through fbjni) and ONNX Runtime may each ship the NDK's libc++_shared.
+            // ONNX Runtime's AAR may ship the NDK's libc++_shared (ours links libc++ statically).
             pickFirsts += "lib/*/libc++_shared.so"
         }
     }
@@ -87,6 +106,27 @@ dependencies {
     implementation(libs.kotlinx.coroutines.android)
 
     implementation(libs.onnxruntime.android)
-    "cpuImplementation"(libs.executorch.android)
-    "qnnImplementation"(libs.executorch.android.qnn)
 }
+
+// The qnn flavor packs the QNN SDK's Android and Hexagon (unsigned skel) libraries, which the
+// HTP backend opens at run time, into the APK's native library folder.
+val qnnLibraries = layout.buildDirectory.dir("qnn-jniLibs")
+val copyQnnLibraries by tasks.registering(Sync::class) {
+    val sdk = qnnSdkRoot
+    doFirst {
+        check(sdk != null) {
+            "the qnn flavor needs Qualcomm's QNN SDK: pass -PqnnSdkRoot=/path/to/qairt/<version> " +
+                "or set QNN_SDK_ROOT"
+        }
+    }
+    if (sdk != null) {
+        from("$sdk/lib/aarch64-android") { include("libQnnHtp*.so", "libQnnSystem.so") }
+        from(fileTree("$sdk/lib").matching { include("hexagon-v*/unsigned/libQnnHtpV*Skel.so") }) {
+            eachFile { path = name }
+        }
+    }
+    into(qnnLibraries.map { it.dir("arm64-v8a") })
+}
+android.sourceSets.getByName("qnn").jniLibs.srcDir(qnnLibraries)
+tasks.matching { it.name.startsWith("merge") && it.name.contains("Qnn") && it.name.endsWith("JniLibFolders") }
+    .configureEach { dependsOn(copyQnnLibraries) }

@@ -1,6 +1,7 @@
 // The JNI bridge between the Kotlin app (dev.edgemtp.sample) and the shared decode core
-// (apps/core): the native methods of engine.NativeEngine, and a MethodRunner that runs a
-// bundle's methods through the Kotlin runner.BundleRunner (ExecuTorch or ONNX Runtime).
+// (apps/core): the native methods of engine.NativeEngine. An ExecuTorch bundle's methods run in
+// this library (apps/core/executorch: ExecuTorch's C++ Module with shared memory arenas, and
+// edgemtp's kernels); an ONNX bundle's through the Kotlin runner.BundleRunner (ONNX Runtime).
 //
 // What this file guarantees:
 //  - No C++ exception crosses JNI. Every native method body runs in `guarded`, which turns an
@@ -35,6 +36,7 @@
 #include "edgemtp/decode.h"
 #include "edgemtp/engine.h"
 #include "edgemtp/utf8.h"
+#include "executorch_runner.h"
 
 namespace {
 
@@ -455,13 +457,18 @@ class KotlinRunner final : public edgemtp::MethodRunner {
   jobject runner_;
 };
 
-// What NativeEngine's handle points at.
+// What NativeEngine's handle points at: the engine and the runner it runs methods with.
 struct EngineHandle {
-  EngineHandle(JNIEnv* env, jobject kotlin_runner, const std::string& bundle_dir)
-      : runner(env, kotlin_runner), engine(bundle_dir, runner) {}
-  KotlinRunner runner;
+  EngineHandle(std::unique_ptr<edgemtp::MethodRunner> method_runner, const std::string& bundle_dir)
+      : runner(std::move(method_runner)), engine(bundle_dir, *runner) {}
+  std::unique_ptr<edgemtp::MethodRunner> runner;
   edgemtp::Engine engine;
 };
+
+jlong open_engine(std::unique_ptr<edgemtp::MethodRunner> runner, const std::string& bundle_dir) {
+  auto handle = std::make_unique<EngineHandle>(std::move(runner), bundle_dir);
+  return static_cast<jlong>(reinterpret_cast<std::intptr_t>(handle.release()));
+}
 
 EngineHandle& handle_of(jlong handle) {
   if (handle == 0) throw edgemtp::Error("the engine is closed");
@@ -620,9 +627,19 @@ JNIEXPORT jlong JNICALL Java_dev_edgemtp_sample_engine_NativeEngine_nativeOpen(J
                                                                                jobject runner) {
   return guarded(env, [&]() -> jlong {
     if (runner == nullptr) throw edgemtp::Error("no BundleRunner");
-    auto handle =
-        std::make_unique<EngineHandle>(env, runner, read_string(env, bundle_dir, "bundleDir"));
-    return static_cast<jlong>(reinterpret_cast<std::intptr_t>(handle.release()));
+    return open_engine(std::make_unique<KotlinRunner>(env, runner),
+                       read_string(env, bundle_dir, "bundleDir"));
+  });
+}
+
+JNIEXPORT jlong JNICALL Java_dev_edgemtp_sample_engine_NativeEngine_nativeOpenExecuTorch(
+    JNIEnv* env, jobject /*self*/, jstring bundle_dir, jstring program, jint threads) {
+  return guarded(env, [&]() -> jlong {
+    edgemtp::ExecuTorchOptions options;  // shared memory arenas: the default
+    options.threads = threads;
+    return open_engine(
+        std::make_unique<edgemtp::ExecuTorchRunner>(read_string(env, program, "program"), options),
+        read_string(env, bundle_dir, "bundleDir"));
   });
 }
 

@@ -8,8 +8,7 @@ import java.io.IOException
 
 /**
  * What the app reads of a bundle's manifest.json to choose and feed a runner: the backend and
- * delegate, the program, its methods and their output names, the draft depths it allows, and
- * edgemtp's own ExecuTorch kernels the program calls (backend_details.kernels).
+ * delegate, the program, its methods and their output names, and the draft depths it allows.
  * The native engine reads the whole manifest itself (and refuses one it cannot decode).
  */
 class BundleManifest(
@@ -21,7 +20,6 @@ class BundleManifest(
     val maxDraft: Int,
     val maxContext: Int,
     val hasDrafter: Boolean,
-    val kernels: List<String>,
     private val outputNames: Map<String, List<String>>,
 ) {
     val name: String get() = dir.name
@@ -66,9 +64,6 @@ class BundleManifest(
                 maxDraft = shapes.getInt("max_draft"),
                 maxContext = shapes.getInt("max_context"),
                 hasDrafter = !json.isNull("drafter"),
-                kernels = json.optJSONObject("backend_details")?.optJSONArray("kernels")
-                    ?.let { list -> (0 until list.length()).map { list.getString(it) } }
-                    .orEmpty(),
                 outputNames = outputs,
             )
         }

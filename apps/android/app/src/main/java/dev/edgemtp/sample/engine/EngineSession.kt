@@ -2,7 +2,6 @@ package dev.edgemtp.sample.engine
 
 import android.content.Context
 import dev.edgemtp.sample.bundle.BundleManifest
-import dev.edgemtp.sample.runner.BundleRunner
 import dev.edgemtp.sample.runner.RunnerFactory
 import kotlinx.coroutines.ExecutorCoroutineDispatcher
 import kotlinx.coroutines.NonCancellable
@@ -14,15 +13,14 @@ import java.util.concurrent.Executors
 import java.util.concurrent.atomic.AtomicBoolean
 
 /**
- * An opened bundle: its runner and native engine, driven from coroutines. Every engine call runs
- * on one dedicated thread, so calls never overlap and the runner's sessions are used from one
- * thread only. A call stops early (stop reason "interrupted") after [requestStop] or when the
+ * An opened bundle: its native engine, driven from coroutines. Every engine call runs on one
+ * dedicated thread, so calls never overlap and the runner's sessions are used from one thread
+ * only. A call stops early (stop reason "interrupted") after [requestStop] or when the
  * calling coroutine is cancelled.
  */
 class EngineSession private constructor(
     val bundle: BundleManifest,
     val threads: Int,
-    private val runner: BundleRunner,
     private val engine: NativeEngine,
     private val worker: ExecutorCoroutineDispatcher,
 ) {
@@ -60,7 +58,6 @@ class EngineSession private constructor(
     fun close() {
         worker.executor.execute {
             engine.close()
-            runner.close()
         }
         worker.close()
     }
@@ -82,14 +79,7 @@ class EngineSession private constructor(
             try {
                 // Not cancellable: an engine opened after the caller gave up would otherwise leak.
                 return withContext(worker + NonCancellable) {
-                    val runner = RunnerFactory.open(context, bundle, threads)
-                    val engine = try {
-                        NativeEngine(bundle.dir, runner)
-                    } catch (e: Throwable) {
-                        runner.close()
-                        throw e
-                    }
-                    EngineSession(bundle, threads, runner, engine, worker)
+                    EngineSession(bundle, threads, RunnerFactory.open(context, bundle, threads), worker)
                 }
             } catch (e: Throwable) {
                 worker.close()

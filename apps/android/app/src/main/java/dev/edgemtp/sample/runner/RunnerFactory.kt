@@ -7,10 +7,14 @@ import android.system.Os
 import dev.edgemtp.sample.BuildConfig
 import dev.edgemtp.sample.bundle.BundleException
 import dev.edgemtp.sample.bundle.BundleManifest
+import dev.edgemtp.sample.engine.NativeEngine
 
-/** Chooses the runner for a bundle's backend and delegate, or says why this build cannot run it. */
+/**
+ * Opens the engine with the runner for a bundle's backend and delegate, or says why this build
+ * cannot run it.
+ */
 object RunnerFactory {
-    fun open(context: Context, bundle: BundleManifest, threads: Int): BundleRunner =
+    fun open(context: Context, bundle: BundleManifest, threads: Int): NativeEngine =
         when (bundle.backend) {
             "executorch" -> openExecuTorch(context, bundle, threads)
             "onnx" -> openOnnx(context, bundle, threads)
@@ -28,20 +32,16 @@ object RunnerFactory {
         else -> emptyMap()
     } + ("edgemtp-android" to BuildConfig.VERSION_NAME)
 
-    private fun openExecuTorch(context: Context, bundle: BundleManifest, threads: Int): BundleRunner {
-        if (bundle.kernels.isNotEmpty()) {
-            throw BundleException(
-                "${bundle.name} calls edgemtp's own ExecuTorch kernels (${bundle.kernels.joinToString()}), " +
-                    "which the stock ExecuTorch AAR lacks: export it with --kernels xnnpack",
-            )
-        }
+    // ExecuTorch runs inside the native library, with edgemtp's own kernels (`--kernels edgemtp`
+    // bundles) registered beside XNNPACK.
+    private fun openExecuTorch(context: Context, bundle: BundleManifest, threads: Int): NativeEngine {
         when (bundle.delegate) {
             "cpu" -> Unit
             "htp" -> {
                 if (!BuildConfig.QNN) {
                     throw BundleException(
                         "${bundle.name} targets the Qualcomm HTP: install the app's qnn build " +
-                            "(./gradlew :app:installQnnRelease), which bundles ExecuTorch's QNN backend",
+                            "(./gradlew :app:installQnnRelease -PqnnSdkRoot=...), which builds in ExecuTorch's QNN backend",
                     )
                 }
                 prepareQnn(context)
@@ -50,10 +50,10 @@ object RunnerFactory {
                 "${bundle.name} uses ExecuTorch's Core ML delegate (${bundle.delegate}): it runs on Apple devices only",
             )
         }
-        return ExecuTorchRunner(bundle, threads)
+        return NativeEngine(bundle.dir, bundle.programFile, threads)
     }
 
-    private fun openOnnx(context: Context, bundle: BundleManifest, threads: Int): BundleRunner {
+    private fun openOnnx(context: Context, bundle: BundleManifest, threads: Int): NativeEngine {
         val useQnn = when (bundle.delegate) {
             "cpu" -> false
             "htp" -> {
@@ -68,7 +68,7 @@ object RunnerFactory {
             }
             else -> throw BundleException("${bundle.name}: ONNX bundles have no '${bundle.delegate}' delegate")
         }
-        return OnnxRuntimeRunner(bundle.programFile, threads, useQnn)
+        return NativeEngine(bundle.dir, OnnxRuntimeRunner(bundle.programFile, threads, useQnn))
     }
 
     // QNN's FastRPC loader finds the Hexagon "skel" libraries through ADSP_LIBRARY_PATH; the
