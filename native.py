@@ -1,10 +1,15 @@
-"""Building edgemtp's C++ sources on the machine that runs them, once per key, into a cache.
+"""edgemtp's native libraries: what each is built from, for which CPUs, and which one runs here.
 
-The key is everything the library depends on: the sources, the compiler (its path and
-version), the flags, what `-march=native` resolves to on this CPU (a library built for one CPU
-can die with SIGILL on another that shares the cache folder) and whatever the caller adds (the
-ExecuTorch installation a kernel library links to). A build is written to a temporary folder
-and renamed, so a failed or interrupted one leaves nothing.
+They are compiled when the package installs (`setup.py` calls `build_all`), so running a
+bundle needs no compiler. A library whose code depends on the vector ISA is built once per
+variant: on x86 one per ISA level (baseline x86-64, AVX2 + FMA + F16C, AVX-512 with VNNI),
+chosen at run time from what this CPU and OS support, since a library built for a wider ISA can
+die with SIGILL on load; on arm64 one library that picks its NEON dotprod / i8mm paths itself
+(HWCAP, sysctl). A digest of the sources is written beside them: an editable install whose
+sources changed since it was built says so instead of running stale code.
+
+Only the standard library is imported here: `setup.py` loads this file before edgemtp or its
+dependencies are importable.
 """
 
 from __future__ import annotations
@@ -14,98 +19,195 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from edgemtp.errors import EdgeMTPError
-from edgemtp.files import staged_folder
+PACKAGE_ROOT = Path(__file__).resolve().parent
 
-BUILD_CACHE = Path.home() / ".cache" / "edgemtp" / "kernels"
-NATIVE_FLAGS = (
-    "-O3",
-    *(  # built where it runs: this machine's vector width (AVX-512's full width where it has it)
-        ("-march=native", "-mprefer-vector-width=512")
-        if platform.machine().lower() in ("x86_64", "amd64")
-        else ("-mcpu=native",)
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of a library for a set of CPUs: `flags` for the compiler, `requires` the CPU
+    features (Linux /proc/cpuinfo names) it may use."""
+
+    name: str
+    flags: tuple[str, ...]
+    requires: frozenset[str] = frozenset()
+
+
+X86_VARIANTS = (  # widest first: the first this CPU supports runs
+    Variant(
+        "x86-64-v4-vnni",
+        ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic", "-mprefer-vector-width=512"),
+        frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}),
     ),
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
+    Variant(
+        "x86-64-v3",
+        ("-march=x86-64-v3", "-mtune=generic"),
+        frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
+    ),
+    Variant("x86-64", ("-march=x86-64", "-mtune=generic")),
 )
+ARM64_VARIANTS = (Variant("arm64", ()),)  # dotprod / i8mm chosen inside (q4_0.h)
 
 
-def compiler() -> str | None:
-    named = os.environ.get("CXX")
-    if named:
-        return shutil.which(named)
-    return shutil.which("g++") or shutil.which("clang++")
+@dataclass(frozen=True)
+class Library:
+    """A shared library built from `sources` (relative to the package root); `executorch`: it
+    holds ExecuTorch kernels and links to the installed runtime's libexecutorch."""
+
+    name: str
+    sources: tuple[str, ...]
+    headers: tuple[str, ...]
+    executorch: bool
+    per_isa: bool  # one build per Variant, or one baseline build
+
+    @property
+    def folder(self) -> str:
+        return str(Path(self.sources[0]).parent)
+
+    def file_name(self, variant: Variant | None) -> str:
+        return f"lib{self.name}.{variant.name}.so" if variant else f"lib{self.name}.so"
 
 
-def resolved_target(cxx: str, flags: tuple[str, ...]) -> str:
-    """What the compiler makes of `flags` on this machine (`-###`: the driver's command for its
-    compiler proper, `-march=native` spelled out as the CPU's name and features)."""
-    driver = subprocess.run(
-        [cxx, *flags, "-###", "-E", "-x", "c++", "-"],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    lines = [line for line in driver.stderr.splitlines() if "march" in line or "target-cpu" in line]
-    return platform.machine() + "\n" + "\n".join(lines)
+KERNELS = Library(
+    "edgemtp_kernels",
+    tuple(f"runtime/kernels/{n}.cpp" for n in ("cache_attention", "q4_0_linear", "rms_norm")),
+    tuple(f"runtime/kernels/{n}" for n in ("exp_poly.h", "parallel.h", "q4_0.h")),
+    executorch=True,
+    per_isa=True,
+)
+TABLE_ROWS = Library(
+    "edgemtp_table_rows", ("quantize/table_rows.cpp",), (), executorch=False, per_isa=False
+)
+LIBRARIES = (KERNELS, TABLE_ROWS)
+COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC")
+C10_HEADERS = "include/executorch/runtime/core/portable_type/c10"  # the c10 ExecuTorch vendors
+DIGEST = "sources.sha256"
 
 
-def build_key(
-    cxx: str, flags: tuple[str, ...], files: tuple[Path, ...], extra: tuple[str, ...]
-) -> str:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+def machine() -> str:
+    name = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(name, name)
+
+
+def variants(machine_name: str | None = None) -> tuple[Variant, ...]:
+    machine_name = machine_name or machine()
+    if machine_name == "x86_64":
+        return X86_VARIANTS
+    if machine_name == "aarch64":
+        return ARM64_VARIANTS
+    return (Variant(machine_name, ()),)  # another architecture: its compiler's default
+
+
+def source_digest(library: Library, root: Path = PACKAGE_ROOT) -> str:
     digest = hashlib.sha256()
-    parts = (
-        str(Path(cxx).resolve()),
-        version,
-        resolved_target(cxx, flags),
-        " ".join(flags),
-        *extra,
-    )
-    for part in parts:
-        digest.update(part.encode())
-    for file in files:
-        digest.update(file.read_bytes())
-    return digest.hexdigest()[:16]
+    for path in (*library.sources, *library.headers):
+        digest.update(path.encode() + b"\0" + (root / path).read_bytes())
+    return digest.hexdigest()
 
 
-def compiled(
-    library_name: str,
-    sources: tuple[Path, ...],
-    headers: tuple[Path, ...],
-    arguments: tuple[str, ...],
-    *,
-    flags: tuple[str, ...] = NATIVE_FLAGS,
-    cache_dir: Path = BUILD_CACHE,
-    key: tuple[str, ...] = (),
-    fix: str = "",
-) -> Path:
-    """The shared library `library_name` built from `sources` (with `arguments`: include
-    paths, the sources, link flags), compiled first when its key has none yet. `fix`: what the
-    user can do instead when no compiler works, for the error line."""
-    cxx = compiler()
-    if cxx is None:
-        named = os.environ.get("CXX")
-        found = f"CXX={named} was not found" if named else "none was found (g++, clang++)"
-        raise EdgeMTPError(
-            f"edgemtp's kernels are compiled on this machine and need a C++17 compiler; "
-            f"{found}: install g++ (apt install g++) or set CXX{fix}"
+def cpu_features() -> frozenset[str]:
+    """This CPU's features as the OS reports them (the kernel leaves out what it does not
+    save across context switches, such as AVX-512 state where it is off)."""
+    if sys.platform.startswith("linux"):
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+        for line in text.splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+        return frozenset()
+    if sys.platform == "darwin" and machine() == "x86_64":
+        names = ("machdep.cpu.features", "machdep.cpu.leaf7_features")
+        done = subprocess.run(["sysctl", "-n", *names], capture_output=True, text=True)
+        words = done.stdout.lower().replace(".", "_").split()
+        renamed = {"avx1_0": "avx", "avx512vnni": "avx512_vnni"}
+        return frozenset(renamed.get(w, w) for w in words)
+    return frozenset()
+
+
+def chosen_variant(features: frozenset[str] | None = None) -> Variant:
+    """The widest variant whose features this CPU has."""
+    features = cpu_features() if features is None else features
+    return next(v for v in variants() if v.requires <= features)
+
+
+# --- building (setup.py, at install) ---------------------------------------------------------
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def compiler() -> str:
+    named = os.environ.get("CXX")
+    found = shutil.which(named) if named else shutil.which("g++") or shutil.which("clang++")
+    if not found:
+        why = f"CXX={named} was not found" if named else "none was found (g++, clang++)"
+        raise BuildError(
+            f"edgemtp's kernels are compiled when it installs and need a C++17 compiler; {why}: "
+            "install g++ (apt install g++) or set CXX, then install edgemtp again"
         )
-    folder = cache_dir / build_key(cxx, flags, (*sources, *headers), key)
-    library = folder / library_name
-    if library.exists():
-        return library
-    with staged_folder(folder) as tmp:
-        command = [cxx, *flags, *arguments, "-o", str(tmp / library_name)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            lines = done.stderr.strip().splitlines()
-            first = next((line for line in lines if "error" in line), lines[-1] if lines else "")
-            raise EdgeMTPError(
-                f"compiling edgemtp's kernels failed ({cxx}): {first or 'no output'}; set CXX "
-                f"to a C++17 compiler{fix}"
-            )
-    return library
+    return found
+
+
+def build_all(out_root: Path, executorch_root: Path | None, root: Path = PACKAGE_ROOT) -> None:
+    """Every library, every variant, written under `out_root` (the package's folders), each
+    compiled from its sources under `root`. `executorch_root`: the installed `executorch`
+    package whose headers the kernels compile against (None: skip the ExecuTorch libraries)."""
+    cxx = compiler()
+    jobs = []
+    for library in LIBRARIES:
+        if library.executorch and executorch_root is None:
+            continue
+        for variant in variants() if library.per_isa else (None,):
+            jobs.append((library, variant))
+    say = lambda text: print(f"edgemtp: {text}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"compiling {len(jobs)} native libraries with {cxx} (a minute or two)")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(lambda job: _build(cxx, *job, out_root, executorch_root, root, say), jobs))
+    for library in LIBRARIES:
+        if library.executorch and executorch_root is None:
+            continue
+        (out_root / library.folder / DIGEST).write_text(source_digest(library, root) + "\n")
+
+
+def _build(
+    cxx: str,
+    library: Library,
+    variant: Variant | None,
+    out_root: Path,
+    executorch_root: Path | None,
+    root: Path,
+    say,
+) -> None:
+    arguments = [*COMMON_FLAGS, *(variant.flags if variant else ()), "-shared"]
+    if library.executorch:
+        assert executorch_root is not None
+        arguments += [
+            "-DC10_USING_CUSTOM_GENERATED_MACROS",  # what ExecuTorch's CMake package asks for
+            f"-I{executorch_root / 'include'}",
+            f"-I{executorch_root / C10_HEADERS}",
+        ]
+    arguments += [str(root / s) for s in library.sources]
+    if library.executorch:
+        # Linked by soname, with no run path: loading it finds the libexecutorch.so that the
+        # ExecuTorch runtime already loaded, so its kernels go into that runtime's registry.
+        arguments += [f"-L{executorch_root / 'lib'}", "-lexecutorch", "-lexecutorch_threadpool"]
+        if sys.platform == "darwin":
+            arguments += ["-undefined", "dynamic_lookup"]
+    target = out_root / library.folder / library.file_name(variant)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    done = subprocess.run([cxx, *arguments, "-o", str(partial)], capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        lines = done.stderr.strip().splitlines()
+        first = next((line for line in lines if "error" in line), lines[-1] if lines else "")
+        raise BuildError(f"compiling {target.name} failed ({cxx}): {first or 'no output'}")
+    os.replace(partial, target)
+    say(f"built {target.name}")

@@ -14,23 +14,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from edgemtp.errors import EdgeMTPError
-from edgemtp.native import compiled
+from edgemtp import native
 from edgemtp.quantize.q4_0 import BLOCK, BLOCK_BYTES, dequantize_q4_0_rows
 
-TABLE_ROWS_SOURCE = Path(__file__).with_name("table_rows.cpp")
+TABLE_ROWS = Path(__file__).resolve().with_name(native.TABLE_ROWS.file_name(None))
 
 
 @cache
 def table_rows() -> ctypes.CDLL | None:
-    """The table-row library (`table_rows.cpp`) loaded, or None where it cannot be built (no
-    compiler): the lookups then run in numpy, to the same values."""
+    """The table-row library (`table_rows.cpp`, built at install) loaded, or None where it is
+    missing (installed without a compiler): the lookups then run in numpy, to the same values."""
     try:
-        path = compiled(
-            "libedgemtp_table_rows.so", (TABLE_ROWS_SOURCE,), (), (str(TABLE_ROWS_SOURCE),)
-        )
-        library = ctypes.CDLL(str(path))
-    except (EdgeMTPError, OSError):
+        library = ctypes.CDLL(str(TABLE_ROWS))
+    except OSError:
         return None
     for name in ("edgemtp_q4_0_rows", "edgemtp_q8_0_rows"):
         function = getattr(library, name)

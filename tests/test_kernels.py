@@ -6,13 +6,14 @@ llama.cpp's Q8_0 x Q4_0 product written in numpy over the GGML bytes `gguf` quan
 
 from __future__ import annotations
 
+import json
 import os
-import platform
-import re
+import shutil
 import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -448,89 +449,97 @@ def test_norm_kernels_match_numpy():
     assert_programs_match(programs, calls, 2e-6)
 
 
-def test_build_is_cached_by_source_and_compiler(tmp_path):
-    first = kernels.build(tmp_path)
-    stamp = first.stat().st_mtime_ns
-    assert kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.parent.name]  # nothing half-written
+ZEN1 = frozenset("avx avx2 fma f16c bmi1 bmi2 movbe sse4_2".split())  # AVX2, no AVX-512
+ICELAKE = ZEN1 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
 
 
-def test_each_executorch_installation_gets_its_own_build(monkeypatch, tmp_path):
-    """The library links to one installation's libexecutorch.so: a second venv sharing the
-    build cache must not load it (two kernel registries in one process abort)."""
-    cxx = native.compiler()
-    assert cxx is not None
-    files = (*kernels.SOURCES, *kernels.HEADERS)
-    here = native.build_key(cxx, kernels.FLAGS, files, kernels.installation())
-    monkeypatch.setattr(kernels, "executorch_root", lambda: tmp_path / "other-venv" / "executorch")
-    assert native.build_key(cxx, kernels.FLAGS, files, kernels.installation()) != here
+@pytest.mark.skipif(native.machine() != "x86_64", reason="x86 ISA levels")
+def test_each_cpu_gets_the_widest_variant_it_runs():
+    assert native.chosen_variant(ICELAKE).name == "x86-64-v4-vnni"
+    assert native.chosen_variant(ICELAKE - {"avx512_vnni"}).name == "x86-64-v3"  # Skylake-X
+    assert native.chosen_variant(ZEN1).name == "x86-64-v3"
+    assert native.chosen_variant(ZEN1 - {"avx2"}).name == "x86-64"
+    assert native.chosen_variant(frozenset()).name == "x86-64"
+    assert native.chosen_variant().requires <= native.cpu_features()
 
 
-def test_each_cpu_gets_its_own_build(monkeypatch):
-    """A library built with -march=native for one CPU can die with SIGILL on another that
-    shares the build cache (a network home, a copied ~/.cache): the key holds what
-    -march=native resolves to here."""
-    cxx = native.compiler()
-    assert cxx is not None
-    files = (*kernels.SOURCES, *kernels.HEADERS)
-    here = native.build_key(cxx, kernels.FLAGS, files, ())
-    assert "march" in native.resolved_target(cxx, kernels.FLAGS)  # the compiler spelled it out
-    monkeypatch.setattr(native, "resolved_target", lambda cxx, flags: "another CPU")
-    assert native.build_key(cxx, kernels.FLAGS, files, ()) != here
+def test_every_variant_was_built_at_install_from_these_sources():
+    for variant in native.variants():
+        assert kernels.library_path(variant).is_file()
+    assert kernels.load() == kernels.library_path(native.chosen_variant())
 
 
-@pytest.mark.parametrize(
-    ("cxx", "message"),
-    [("/nonexistent/c++", "CXX=/nonexistent/c++ was not found"), ("false", "failed")],
-)
-def test_build_without_a_working_compiler_names_the_fix(tmp_path, monkeypatch, cxx, message):
-    monkeypatch.setenv("CXX", cxx)
-    with pytest.raises(EdgeMTPError, match=re.escape(message)) as err:
-        kernels.build(tmp_path / "cache")
-    assert "--kernels xnnpack" in str(err.value)
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+def test_missing_or_stale_kernels_name_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "FOLDER", tmp_path)
+    with pytest.raises(EdgeMTPError, match="missing.*install edgemtp again.*--kernels xnnpack"):
+        kernels.library_path()
+    (tmp_path / native.KERNELS.file_name(native.chosen_variant())).write_bytes(b"")
+    (tmp_path / native.DIGEST).write_text("a digest of other sources\n")
+    with pytest.raises(EdgeMTPError, match="changed since they were built.*pip install -e"):
+        kernels.library_path()
 
 
-def test_program_needing_kernels_without_a_compiler_fails_in_one_line(tmp_path):
+def test_program_needing_missing_kernels_fails_in_one_line(tmp_path):
     pte = tmp_path / "model.pte"
     pte.write_bytes(_program({"draft": CASES["draft"]}))
     script = textwrap.dedent(
         f"""
+        from pathlib import Path
         from edgemtp.errors import EdgeMTPError
+        from edgemtp.runtime import kernels
         from edgemtp.runtime.runners.executorch import ExecuTorchRunner
         from edgemtp.model.static import StaticShapes
+        kernels.FOLDER = Path({str(tmp_path)!r})  # as if installed without them
         try:
             ExecuTorchRunner({str(pte)!r}, StaticShapes(64, 0, 8))
         except EdgeMTPError as e:
             print("ERROR", e)
         """
     )
-    env = {**os.environ, "CXX": "/nonexistent/c++", "HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     line = next(x for x in done.stdout.splitlines() if x.startswith("ERROR"))
     assert "edgemtp::cache_attention.out" in line and "--kernels xnnpack" in line
 
 
-@pytest.mark.skipif(
-    platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 vector targets"
-)
-@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])  # AVX2 + F16C (8 lanes); SSE2 (4)
-def test_kernel_built_for_narrower_vectors_matches_numpy(program, tmp_path, arch):
-    """The kernels' other vector paths (attention: 8 lanes with F16C widening, 4 lanes with the
-    generic widening and lane sums; the Q4_0 linear's portable loops), as a machine without
-    AVX-512 builds them: each in its own process,
-    since a second library registering the same kernel in this one would abort."""
-    flags = [f for f in kernels.FLAGS if not f.startswith(("-march", "-mprefer-vector-width"))]
-    library = kernels.build(tmp_path / "cache", (f"-march={arch}", *flags))
+def test_installed_package_decodes_a_kernel_bundle_without_a_compiler(demo_first_run, tmp_path):
+    """No compiler on PATH, no CXX, an empty home (no build cache): the installed libraries
+    run the bundle's edgemtp:: kernels."""
+    bundle = demo_first_run.bundle
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["backend_details"]["kernels"], "the demo bundle must call edgemtp's kernels"
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
+    env.update(PATH=str(Path(sys.executable).parent), HOME=str(tmp_path))
+    assert shutil.which("g++", path=env["PATH"]) is None
+    argv = ["generate", "--bundle", str(bundle), "--prompt", "The capital of France is"]
+    argv += ["--max-new-tokens", "8", "--mtp", "2", "--json"]
+    edgemtp = Path(sys.executable).with_name("edgemtp")  # the installed command
+    done = subprocess.run([str(edgemtp), *argv], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(json.loads(done.stdout)["tokens"]) == 8
+    assert not any(tmp_path.iterdir()), "nothing was compiled or cached"
+
+
+@pytest.mark.parametrize("variant", native.variants(), ids=lambda v: v.name)
+def test_each_installed_variant_matches_numpy(program, tmp_path, variant):
+    """Every ISA variant built at install that this CPU can run (x86: attention at 16, 8 or 4
+    lanes with their half widening and lane sums; the Q4_0 linear's AVX-512, AVX2 and portable
+    loops): each in its own process, since a second library registering the same kernel in
+    this one would abort."""
+    if not variant.requires <= native.cpu_features():
+        pytest.skip(f"this CPU lacks {sorted(variant.requires - native.cpu_features())}")
+    library = kernels.library_path(variant)
+    arch = variant.name
     (tmp_path / "model.pte").write_bytes(program)
     inputs = {n: c.inputs()[0] for n, c in CASES.items()}
     inputs.update({n: c.inputs() for n, c in {**LINEAR_CASES, **GATED_CASES}.items()})
     torch.save(inputs, tmp_path / "inputs.pt")
     script = textwrap.dedent(
         f"""
-        import ctypes, torch
+        import torch
+        from pathlib import Path
         from executorch.extension.pybindings import portable_lib
-        ctypes.CDLL({str(library)!r}, mode=ctypes.RTLD_GLOBAL)
+        from edgemtp.runtime import kernels
+        kernels.load_library(Path({str(library)!r}))
         loaded = portable_lib._load_for_executorch({str(tmp_path / "model.pte")!r})
         cases = torch.load({str(tmp_path / "inputs.pt")!r})
         out = {{n: loaded.run_method(n, tuple(t for t in x if t is not None))[0]

@@ -123,11 +123,12 @@ def test_x86_variants_match_numpy(tmp_path, flags, variant):
 def test_every_kernel_source_compiles_for_arm64(arm64, tmp_path):
     """The ExecuTorch operators themselves (attention, norms, the Q4_0 linear) as an arm64
     runtime compiles them, against the installed ExecuTorch's headers."""
+    from edgemtp import native
     from edgemtp.runtime import kernels
 
     root = kernels.executorch_root()
-    include = [f"-I{root / 'include'}", f"-I{root / kernels.C10_HEADERS}"]
-    for source in kernels.SOURCES:
+    include = [f"-I{root / 'include'}", f"-I{root / native.C10_HEADERS}"]
+    for source in (native.PACKAGE_ROOT / s for s in native.KERNELS.sources):
         done = subprocess.run(
             [CROSS, "-std=c++17", "-O2", "-fPIC", "-DC10_USING_CUSTOM_GENERATED_MACROS",
              *include, "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],

@@ -124,9 +124,8 @@ def test_rows_in_a_program_are_the_host_lookups():
         assert torch.equal(module(ids), want[name]), name
         programs[name] = export_method(module, (ids,))
     manager = lower_programs(programs, lambda: [xnnpack_partitioner()])
-    loaded = portable_lib._load_for_executorch_from_buffer(
-        manager.to_executorch(backend_config()).buffer
-    )
+    buffer = manager.to_executorch(backend_config()).buffer  # the loaded program points into it
+    loaded = portable_lib._load_for_executorch_from_buffer(buffer)
     for name, values in want.items():
         got = loaded.run_method(name, (ids,))[0]
         assert torch.equal(got, values), name

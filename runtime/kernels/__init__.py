@@ -1,4 +1,4 @@
-"""edgemtp's own ExecuTorch kernels, built on this machine against the installed runtime.
+"""edgemtp's own ExecuTorch kernels, compiled when the package installs.
 
 `cache_attention.cpp` (attention of a few rows over the static cache, reading only the slots
 some row attends to), `q4_0_linear.cpp` (GGML Q4_0 linears as llama.cpp computes them) and
@@ -7,33 +7,25 @@ some row attends to), `q4_0_linear.cpp` (GGML Q4_0 linears as llama.cpp computes
 `q4_0.h`, plain C++ without ExecuTorch (its tests build it alone, for arm64 under qemu too).
 
 ExecuTorch's Python runtime finds a kernel in the registry of its `libexecutorch.so`; a shared
-library linked to that same file registers its kernels there when it is loaded. So `load()`
-compiles the sources once per key (`native.py`: the sources, compiler, this CPU and the
-ExecuTorch installation) into `~/.cache/edgemtp/kernels/` and loads the result; a program that
-calls `edgemtp::` operators loads only after that. The apps' C++ core compiles the same sources
-into its runner (apps/core/tests/executorch.cmake).
+library linked to that same file registers its kernels there when it is loaded. `setup.py`
+builds the library for each ISA variant (`native.py`); `load()` loads the one this CPU runs
+best, after the runtime's own libraries, and a program that calls `edgemtp::` operators loads
+only after that. The apps compile the same sources into their native libraries
+(apps/core/executorch/executorch.cmake).
 """
 
 from __future__ import annotations
 
 import ctypes
 from functools import cache
-from importlib import metadata
 from pathlib import Path
 
+from edgemtp import native
 from edgemtp.errors import EdgeMTPError
-from edgemtp.native import BUILD_CACHE, NATIVE_FLAGS, compiled
 
-SOURCES = tuple(
-    Path(__file__).with_name(name)
-    for name in ("cache_attention.cpp", "q4_0_linear.cpp", "rms_norm.cpp")
-)
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_poly.h", "parallel.h", "q4_0.h"))
-LIBRARY = "libedgemtp_kernels.so"
-C10_HEADERS = "include/executorch/runtime/core/portable_type/c10"  # the c10 ExecuTorch vendors
-# what ExecuTorch's CMake package asks consumers for
-FLAGS = (*NATIVE_FLAGS, "-DC10_USING_CUSTOM_GENERATED_MACROS")
+FOLDER = Path(__file__).resolve().parent
 INSTEAD = ", or export the bundle with --kernels xnnpack"
+REINSTALL = "install edgemtp again with a C++17 compiler on PATH (pip install -e . in a checkout)"
 
 
 def executorch_root() -> Path:
@@ -42,38 +34,44 @@ def executorch_root() -> Path:
     return Path(executorch.__path__[0])
 
 
-def build(cache_dir: Path = BUILD_CACHE, flags: tuple[str, ...] = FLAGS) -> Path:
-    """The kernels' shared library, compiled first when this key has none yet. `flags`: this
-    machine's by default (the tests also build for narrower vector targets)."""
-    lib_dir = executorch_root() / "lib"
-    link = (f"-L{lib_dir}", "-lexecutorch", "-lexecutorch_threadpool", f"-Wl,-rpath,{lib_dir}")
-    include = (f"-I{executorch_root() / 'include'}", f"-I{executorch_root() / C10_HEADERS}")
-    arguments = (*include, *map(str, SOURCES), *link)
-    return compiled(
-        LIBRARY, SOURCES, HEADERS, arguments,
-        flags=flags, cache_dir=cache_dir, key=installation(), fix=INSTEAD,
-    )  # fmt: skip
+def library_path(variant: native.Variant | None = None) -> Path:
+    """The installed library of `variant` (this CPU's by default), checked against the sources
+    beside it (an editable install whose kernels were edited since it was built)."""
+    path = FOLDER / native.KERNELS.file_name(variant or native.chosen_variant())
+    if not path.is_file():
+        raise EdgeMTPError(
+            f"{path.name} is missing: edgemtp's kernels were not built when it was installed; "
+            f"{REINSTALL}{INSTEAD}"
+        )
+    built = FOLDER / native.DIGEST
+    if not built.is_file() or built.read_text().strip() != native.source_digest(native.KERNELS):
+        raise EdgeMTPError(
+            f"edgemtp's kernel sources in {FOLDER} changed since they were built: {REINSTALL}"
+        )
+    return path
 
 
-def installation() -> tuple[str, str]:
-    """The ExecuTorch installation the library links to (part of its build key): loaded beside
-    another copy's libexecutorch.so (a second venv sharing the build cache) it would give the
-    process two kernel registries, and abort."""
-    return metadata.version("executorch"), str(executorch_root().resolve())
+def load_library(path: Path) -> None:
+    """Load a kernel library into the ExecuTorch runtime's registry. It needs libexecutorch by
+    its name: load the runtime's own copy first (the one its Python bindings use)."""
+    lib = executorch_root() / "lib"
+    for name in ("libexecutorch.so", "libexecutorch_threadpool.so"):
+        ctypes.CDLL(str(lib / name), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 @cache
 def load() -> Path:
-    """Build if needed and load the kernels into ExecuTorch's registry (once per process)."""
-    library = build()
-    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
-    return library
+    """Load this CPU's kernels into ExecuTorch's registry (once per process)."""
+    path = library_path()
+    load_library(path)
+    return path
 
 
 @cache
 def unavailable() -> str | None:
-    """Why the kernels cannot be built here, or None when they can (asked once per process:
-    every runner asks, and a failing compiler would otherwise run again for each)."""
+    """Why the kernels cannot be loaded here, or None when they can (asked once per process:
+    every runner asks)."""
     try:
         load()
     except (EdgeMTPError, OSError) as e:
