@@ -75,7 +75,7 @@ class Library:
 KERNELS = Library(
     "edgemtp_kernels",
     tuple(f"runtime/kernels/{n}.cpp" for n in ("cache_attention", "q4_0_linear", "rms_norm")),
-    tuple(f"runtime/kernels/{n}" for n in ("exp_poly.h", "parallel.h", "q4_0.h")),
+    tuple(f"runtime/kernels/{n}.h" for n in ("cache_attention", "exp_poly", "parallel", "q4_0")),
     executorch=True,
     per_isa=True,
 )

@@ -463,10 +463,24 @@ def test_each_cpu_gets_the_widest_variant_it_runs():
     assert native.chosen_variant().requires <= native.cpu_features()
 
 
+def test_a_variant_can_be_named_but_not_one_this_cpu_lacks(monkeypatch):
+    narrowest = native.variants()[-1]
+    monkeypatch.setenv(kernels.ISA_VARIABLE, narrowest.name)
+    assert kernels.chosen_variant() == narrowest
+    monkeypatch.setenv(kernels.ISA_VARIABLE, "x86-64-v9")
+    with pytest.raises(EdgeMTPError, match="not one of"):
+        kernels.chosen_variant()
+    if native.machine() == "x86_64":
+        monkeypatch.setenv(kernels.ISA_VARIABLE, "x86-64-v4-vnni")
+        monkeypatch.setattr(native, "cpu_features", lambda: ZEN1)
+        with pytest.raises(EdgeMTPError, match="this CPU lacks avx512"):
+            kernels.chosen_variant()
+
+
 def test_every_variant_was_built_at_install_from_these_sources():
     for variant in native.variants():
         assert kernels.library_path(variant).is_file()
-    assert kernels.load() == kernels.library_path(native.chosen_variant())
+    assert kernels.load() == kernels.library_path(kernels.chosen_variant())
 
 
 def test_missing_or_stale_kernels_name_the_fix(tmp_path, monkeypatch):

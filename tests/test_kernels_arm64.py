@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_kernels import LinearCase, numpy_q4_0_linear
+from test_kernels import CASES as ATTENTION_CASES
+from test_kernels import Case as AttentionCase
+from test_kernels import LinearCase, numpy_attention, numpy_q4_0_linear
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "tests" / "native" / "q4_0_check.cpp"
@@ -135,3 +137,65 @@ def test_every_kernel_source_compiles_for_arm64(arm64, tmp_path):
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert done.returncode == 0, (source.name, done.stderr[-3000:])
+
+
+# --- the attention (runtime/kernels/cache_attention.h) ----------------------------------------
+
+ATTENTION_SOURCE = ROOT / "tests" / "native" / "attention_check.cpp"
+
+
+@pytest.fixture(scope="module")
+def arm64_attention(tmp_path_factory) -> Path:
+    if shutil.which(CROSS) is None or shutil.which(QEMU) is None:
+        pytest.skip(MISSING)
+    out = tmp_path_factory.mktemp("arm64") / "attention_check"
+    done = subprocess.run(
+        [CROSS, "-std=c++17", "-O2", "-static", f"-I{INCLUDE}", str(ATTENTION_SOURCE), "-o",
+         str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def attention_file(case: AttentionCase, by_rows: bool, path: Path) -> np.ndarray:
+    """Writes the program's input for `case`; returns numpy's attention in the layout asked."""
+    inputs, allowed = case.inputs()
+    q, k, v, k_new, v_new, mask = inputs
+    fresh = 0 if k_new is None else k_new.shape[1]
+    shape = [*q.shape, *mask.shape, fresh, k.shape[1], int(case.half), int(by_rows)]
+    with path.open("wb") as f:
+        f.write(np.array(shape, dtype="<i8").tobytes())
+        f.write(q.numpy().astype("<f4").tobytes())
+        for cache in (k, v):
+            stored = "<f2" if case.half else "<f4"
+            f.write(cache.numpy().astype(stored).tobytes())
+        for own in (k_new, v_new):
+            if own is not None:
+                f.write(own.numpy().astype("<f4").tobytes())
+        f.write(mask.numpy().astype("<f4").tobytes())
+    want = numpy_attention(inputs, allowed)  # [kv_heads, group * rows, dim]
+    if by_rows:  # row t: head kv * group + g from query row g * rows + t
+        kv_heads, q_rows, dim = want.shape
+        rows = mask.shape[0]
+        want = want.reshape(kv_heads, q_rows // rows, rows, dim).transpose(2, 0, 1, 3)
+        want = want.reshape(rows, -1)
+    return want
+
+
+@pytest.mark.parametrize("cpu", ["max", "cortex-a53"])
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+def test_arm64_attention_matches_numpy(arm64_attention, tmp_path, cpu, name):
+    """NEON's 4 lanes, its float16 widening (vcvt_f32_f16) and lane sums, on every case of the
+    ExecuTorch kernel's tests (masked slots hold NaN: reading one would show), both layouts."""
+    case = ATTENTION_CASES[name]
+    for by_rows in (False, True):
+        want = attention_file(case, by_rows, tmp_path / "in")
+        done = subprocess.run(
+            [QEMU, "-cpu", cpu, str(arm64_attention), str(tmp_path / "in"), str(tmp_path / "out")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        got = np.fromfile(tmp_path / "out", dtype="<f4").reshape(want.shape)
+        assert np.isfinite(got).all(), f"{name}: read a slot it must not"
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"{name} by_rows={by_rows}")

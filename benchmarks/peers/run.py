@@ -28,6 +28,11 @@ tokens), the ExecuTorch example and transformers token by token from Python (arg
 host); decode tok/s = (n_out - 1) / (t_end - t_first) as everywhere in edgemtp. Each step of
 the setup is cached in `--work` and reused. Writes benchmarks/results/peers.{json,md,png}.
 
+`--isa avx2`: both sides held to AVX2 + FMA, as on an x86 machine without AVX-512: llama.cpp
+built with GGML_NATIVE off and AVX-512 off (its own build folder), edgemtp's kernels the
+`x86-64-v3` library (`EDGEMTP_KERNELS_ISA`); written to peers-avx2.{json,md,png}. XNNPACK
+inside ExecuTorch still picks its microkernels for this CPU (prompt chunks run there).
+
 `--baseline PYTHON`: one more system, "edgemtp-baseline", the edgemtp that PYTHON imports (a
 venv over a checkout of another commit, e.g. the one before a change): it exports its own bundle
 from the same GGUF and runs in its own processes, interleaved with the others, so a change is
@@ -72,6 +77,13 @@ DEPTHS = (16, 512, 1800)
 DEPTH_TOKENS = 32
 TG = 128
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# --isa: llama.cpp's CMake flags and edgemtp's kernel library for each instruction-set limit
+LLAMA_ISA = {
+    "native": ["-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
+}  # fmt: skip
+EDGEMTP_ISA = {"native": None, "avx2": "x86-64-v3"}
 
 
 def run(cmd: list[str], stream: bool = False) -> str:
@@ -130,7 +142,7 @@ def source_commit() -> str:
     return head.stdout.decode().strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def setup(work: Path, threads: int) -> dict[str, Path]:
+def setup(work: Path, threads: int, isa: str = "native") -> dict[str, Path]:
     """Checkpoint, llama.cpp build, GGUF files and the edgemtp bundle, each made once."""
     python, edgemtp = sys.executable, str(Path(sys.executable).parent / "edgemtp")
     work.mkdir(parents=True, exist_ok=True)
@@ -140,10 +152,8 @@ def setup(work: Path, threads: int) -> dict[str, Path]:
         gemma_style_tokenizer(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"])
 
     llama = work / "llama.cpp"
-    bench, quantize = (
-        llama / "build" / "bin" / "llama-bench",
-        llama / "build" / "bin" / "llama-quantize",
-    )
+    build = llama / ("build" if isa == "native" else f"build-{isa}")
+    bench, quantize = build / "bin" / "llama-bench", build / "bin" / "llama-quantize"
     if not bench.is_file():
         if not llama.is_dir():
             run([python, "-m", "pip", "download", "-q", LLAMA_CPP_PYTHON, "--no-deps",
@@ -152,12 +162,11 @@ def setup(work: Path, threads: int) -> dict[str, Path]:
             with tarfile.open(sdist) as tar:
                 tar.extractall(work / "sdist", filter="data")
             shutil.move(next((work / "sdist").glob("*/vendor/llama.cpp")), llama)
-        flags = [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
-        run(["cmake", "-S", str(llama), "-B", str(llama / "build"), "-DCMAKE_BUILD_TYPE=Release",
+        run(["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-             "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON", *flags])  # fmt: skip
+             "-DLLAMA_BUILD_TESTS=OFF", *LLAMA_ISA[isa]])  # fmt: skip
         jobs = str(os.cpu_count() or 2)
-        run(["cmake", "--build", str(llama / "build"), "-j", jobs, "--target", "llama-bench",
+        run(["cmake", "--build", str(build), "-j", jobs, "--target", "llama-bench",
              "llama-quantize"], stream=True)  # fmt: skip
 
     f32, q4 = work / "peer-90m-f32.gguf", work / "peer-90m-q4_0.gguf"
@@ -411,7 +420,8 @@ def _paired(result: dict, a: str, b: str, keys: list[str]) -> str:
 def report(result: dict) -> str:
     med = result["medians"]
     lines = [
-        "# edgemtp vs its peers on PEER-90M",
+        "# edgemtp vs its peers on PEER-90M"
+        + ("" if result.get("isa", "native") == "native" else f", both held to {result['isa']}"),
         "",
         f"`{result['command']}` ({result['date']}; {result['machine']['cpu']}, "
         f"{result['threads']} threads; medians of {result['repeats']} interleaved fresh runs)",
@@ -499,8 +509,14 @@ def main() -> None:
     parser.add_argument(
         "--baseline", metavar="PYTHON", help="also measure the edgemtp this Python imports"
     )
+    parser.add_argument(
+        "--isa", choices=list(LLAMA_ISA), default="native", help="instruction sets both may use"
+    )
     args = parser.parse_args()
     stem = RESULTS / ("peers-baseline" if args.baseline else "peers")
+    if args.isa != "native":
+        stem = stem.with_name(f"{stem.name}-{args.isa}")
+        os.environ["EDGEMTP_KERNELS_ISA"] = EDGEMTP_ISA[args.isa]  # the children inherit it
     if args.report_only:
         result = json.loads(stem.with_suffix(".json").read_text())
         text = report(result)
@@ -511,7 +527,7 @@ def main() -> None:
         system, path = args.child
         print(json.dumps(CHILDREN[system](Path(path), args.threads)))
         return
-    paths = setup(args.work, args.threads)
+    paths = setup(args.work, args.threads, args.isa)
     if "executorch-example" in args.systems:
         paths["et_pte"] = setup_executorch_example(args.work, paths["checkpoint"])
     systems = list(args.systems)
@@ -527,6 +543,7 @@ def main() -> None:
         "machine": machine(args.threads),
         "threads": args.threads,
         "repeats": args.repeats,
+        "isa": args.isa,
         "checkpoint": "edgemtp synth --preset peer-90m (random weights), Q4_0 by llama-quantize",
         "llama_cpp": f"{LLAMA_CPP_PYTHON} sdist's vendored llama.cpp",
         "runs": runs,

@@ -17,6 +17,7 @@ only after that. The apps compile the same sources into their native libraries
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import cache
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from edgemtp.errors import EdgeMTPError
 
 FOLDER = Path(__file__).resolve().parent
 INSTEAD = ", or export the bundle with --kernels xnnpack"
+ISA_VARIABLE = "EDGEMTP_KERNELS_ISA"
 REINSTALL = "install edgemtp again with a C++17 compiler on PATH (pip install -e . in a checkout)"
 
 
@@ -37,7 +39,7 @@ def executorch_root() -> Path:
 def library_path(variant: native.Variant | None = None) -> Path:
     """The installed library of `variant` (this CPU's by default), checked against the sources
     beside it (an editable install whose kernels were edited since it was built)."""
-    path = FOLDER / native.KERNELS.file_name(variant or native.chosen_variant())
+    path = FOLDER / native.KERNELS.file_name(variant or chosen_variant())
     if not path.is_file():
         raise EdgeMTPError(
             f"{path.name} is missing: edgemtp's kernels were not built when it was installed; "
@@ -49,6 +51,22 @@ def library_path(variant: native.Variant | None = None) -> Path:
             f"edgemtp's kernel sources in {FOLDER} changed since they were built: {REINSTALL}"
         )
     return path
+
+
+def chosen_variant() -> native.Variant:
+    """This CPU's widest variant, or the one `EDGEMTP_KERNELS_ISA` names (a narrower one, to
+    measure or test it on a wider CPU)."""
+    named = os.environ.get(ISA_VARIABLE)
+    if not named:
+        return native.chosen_variant()
+    by_name = {v.name: v for v in native.variants()}
+    if named not in by_name:
+        raise EdgeMTPError(f"{ISA_VARIABLE}={named}: not one of {', '.join(by_name)}")
+    variant, features = by_name[named], native.cpu_features()
+    if not variant.requires <= features:
+        lacking = ", ".join(sorted(variant.requires - features))
+        raise EdgeMTPError(f"{ISA_VARIABLE}={named}: this CPU lacks {lacking}; unset it")
+    return variant
 
 
 def load_library(path: Path) -> None:

@@ -1,51 +1,11 @@
-// edgemtp::cache_attention.out: grouped-query attention of a few rows over a static KV cache,
-// reading only the cache slots some row may attend to.
-//
-// XNNPACK runs the static programs' attention as batched matmuls over every slot of the cache,
-// and packs the whole cache at every call: a decode step at position 16 pays for all 512 slots
-// of its bucket, one at position 1800 for all 2048. This kernel skips every key
-// the additive mask blocks for all rows (empty slots, future positions, out of the window), so
-// its cost follows the keys actually attended, and it reads each K and V row once for all the
-// rows of a KV group. Keys are split into chunks run on ExecuTorch's threadpool; each chunk keeps
-// its own softmax max and sum, merged at the end (flash-decoding).
-//
-// Shapes (contiguous; float32 but for the cache, float32 or float16):
-//   q        [kv_heads, group * rows, head_dim]  query row g * rows + t belongs to mask row t
-//   k_cache  [kv_heads, slots, head_dim]         slots may exceed what the mask reads
-//   v_cache  [kv_heads, slots, head_dim]         float16: half the bytes read, widened on load
-//   k_new    [kv_heads, fresh, head_dim] or none  the call's own keys, after the cache's (with
-//   v_new    [kv_heads, fresh, head_dim] or none  a float16 cache, rounded to float16 as they
-//                                                will be stored: a verify row then sees the
-//                                                keys a later decode step reads from the cache)
-//   mask     [rows, keys]                        additive: 0 attends, <= -1e29 blocked; the
-//                                                cache's first keys - fresh slots are read
-//   out      [kv_heads, group * rows, head_dim]
-// edgemtp::cache_attention_rows.out is the same attention with out [rows, kv_heads * group *
-// head_dim]: row t holds every head's output for mask row t (head kv * group + g from query
-// row g * rows + t), the input layout of the output projection, so no transpose (a delegate
-// call of its own in a program) runs between the kernel and that projection.
-// Scores are q . k (scale 1.0). A row that every key blocks gets zeros (the static programs
-// never build one).
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-#include <vector>
-
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#elif defined(__ARM_NEON)
-#include <arm_neon.h>
-#endif
+// edgemtp::cache_attention.out and edgemtp::cache_attention_rows.out: the ExecuTorch operators
+// over cache_attention.h's arithmetic (the shapes, and which cache slots it reads, are described
+// there): argument checks, the output's size, the float16 cache's storage type.
 
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 
-#include "exp_poly.h"
-#include "parallel.h"
+#include "cache_attention.h"
 
 namespace edgemtp {
 namespace {
@@ -55,298 +15,10 @@ using executorch::aten::optional;
 using executorch::aten::Tensor;
 using executorch::runtime::KernelRuntimeContext;
 
-constexpr float kBlocked = -1e29f;  // masks block with multiples of -1e30
-constexpr int64_t kChunk = 128;     // keys per task: small enough to split a 512-key decode
-
-constexpr int kRows = 4;  // query rows sharing every K and V row loaded
-
-// One register of floats as one value (GCC/Clang vector extension), as wide as the build's
-// target allows: AVX-512, AVX, else SSE/NEON. The accumulators below stay in registers, as
-// arrays of floats would not (they spilled to the stack at every key).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-// IEEE binary16 (GCC before 13 has no _Float16 in C++ on aarch64; its __fp16 is the same format)
-#if defined(__aarch64__) && !defined(__clang__)
-using Float16 = __fp16;
-#else
-using Float16 = _Float16;
-#endif
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// Float16 widened a whole register at a time. Written out per target: left to
-// __builtin_convertvector, GCC widened lane by lane (one scalar conversion and shuffle per
-// float), which was most of a long-context decode's attention.
-inline Vec load(const Float16* p) {
-#if defined(__AVX512F__)
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return reinterpret_cast<Vec>(_mm512_cvtph_ps(h));
-#elif defined(__AVX__) && defined(__F16C__)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<Vec>(_mm256_cvtph_ps(h));
-#elif defined(__ARM_NEON) && defined(__aarch64__)
-  return reinterpret_cast<Vec>(vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p))));
-#else
-  using HalfVec = Float16 __attribute__((vector_size(kLanes * sizeof(Float16))));
-  HalfVec h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, Vec);
-#endif
-}
-
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-
-// The lanes summed pairwise, halves onto halves: a sequential sum (what the compiler must keep
-// for a plain loop without -ffast-math) is one dependent add per lane, at every key and row.
-// (Vector shuffles, not intrinsics: GCC 12 warns inside _mm512_reduce_add_ps and its kin.)
-using Quad = float __attribute__((vector_size(4 * sizeof(float))));
-
-inline float lane_sum(Vec v) {
-#if defined(__AVX512F__)
-  using Oct = float __attribute__((vector_size(8 * sizeof(float))));
-  const Oct h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Quad q =
-      __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-#elif defined(__AVX__)
-  const Quad q =
-      __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-#else
-  const Quad q = v;
-#endif
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
-// scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time.
-template <int R, typename T>
-void block_scores(const float* q, int64_t dim, const T* const* keys, int64_t n, float* scores,
-                  int64_t stride) {
-  const int64_t body = dim - dim % kLanes;
-  auto tail = [&](int r, const T* k) {
-    float sum = 0;
-    for (int64_t d = body; d < dim; ++d) sum += q[r * dim + d] * static_cast<float>(k[d]);
-    return sum;
-  };
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    const T* k0 = keys[i];
-    const T* k1 = keys[i + 1];
-    Vec a0[R] = {}, a1[R] = {};
-    for (int64_t d = 0; d < body; d += kLanes) {
-      const Vec x0 = load(k0 + d), x1 = load(k1 + d);
-      for (int r = 0; r < R; ++r) {
-        const Vec qr = load(q + r * dim + d);
-        a0[r] += qr * x0;
-        a1[r] += qr * x1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      scores[r * stride + i] = lane_sum(a0[r]) + tail(r, k0);
-      scores[r * stride + i + 1] = lane_sum(a1[r]) + tail(r, k1);
-    }
-  }
-  for (; i < n; ++i) {
-    Vec a[R] = {};
-    for (int64_t d = 0; d < body; d += kLanes) {
-      const Vec x = load(keys[i] + d);
-      for (int r = 0; r < R; ++r) a[r] += load(q + r * dim + d) * x;
-    }
-    for (int r = 0; r < R; ++r) scores[r * stride + i] = lane_sum(a[r]) + tail(r, keys[i]);
-  }
-}
-
-// out[r * dim + d] (+)= sum over i of weights[r * stride + i] * values[i][d], for R rows, two
-// vectors of columns at a time, over blocks of keys whose value rows stay in L1.
-constexpr int64_t kKeyBlock = 32;
-
-template <int R, typename T>
-void block_values(const float* weights, int64_t stride, const T* const* values, int64_t n,
-                  int64_t dim, float* out, bool accumulate) {
-  if (!accumulate) std::fill(out, out + R * dim, 0.0f);
-  for (int64_t first = 0; first < n; first += kKeyBlock) {
-    const int64_t last = std::min(n, first + kKeyBlock);
-    int64_t d = 0;
-    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
-      Vec a0[R], a1[R];
-      for (int r = 0; r < R; ++r) {
-        a0[r] = load(out + r * dim + d);
-        a1[r] = load(out + r * dim + d + kLanes);
-      }
-      for (int64_t i = first; i < last; ++i) {
-        const Vec v0 = load(values[i] + d), v1 = load(values[i] + d + kLanes);
-        for (int r = 0; r < R; ++r) {
-          const float w = weights[r * stride + i];
-          a0[r] += w * v0;
-          a1[r] += w * v1;
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        store(out + r * dim + d, a0[r]);
-        store(out + r * dim + d + kLanes, a1[r]);
-      }
-    }
-    for (; d < dim; ++d) {
-      for (int r = 0; r < R; ++r) {
-        float sum = out[r * dim + d];
-        for (int64_t i = first; i < last; ++i) {
-          sum += weights[r * stride + i] * static_cast<float>(values[i][d]);
-        }
-        out[r * dim + d] = sum;
-      }
-    }
-  }
-}
-
-// fn(R, r0) for the query rows in blocks of kRows (R a compile-time constant), the rest last.
-template <typename Fn>
-void by_row_blocks(int64_t q_rows, Fn&& fn) {
-  for (int64_t r0 = 0; r0 < q_rows; r0 += kRows) {
-    switch (std::min<int64_t>(kRows, q_rows - r0)) {
-      case 4: fn(std::integral_constant<int, 4>{}, r0); break;
-      case 3: fn(std::integral_constant<int, 3>{}, r0); break;
-      case 2: fn(std::integral_constant<int, 2>{}, r0); break;
-      default: fn(std::integral_constant<int, 1>{}, r0); break;
-    }
-  }
-}
-
-struct Partial {  // one chunk's softmax state per query row: max, sum, unnormalised output
-  float* max;
-  float* sum;
-  float* acc;
-};
-
-// One call's inputs, the cache's element type T (float or Float16); the call's own keys in T.
-template <typename T>
-struct Call {
-  const float* q;
-  const T* k_cache;
-  const T* v_cache;
-  const T* k_new;
-  const T* v_new;
-  const float* mask;
-  int64_t q_rows, dim, rows, keys, cached, fresh, slots, chunks;
-
-  // The softmax state of one task's keys (a chunk of one KV head) for every query row.
-  void chunk(int64_t task, Partial state) const {
-    const int64_t head = task / chunks, first = (task % chunks) * kChunk;
-    const int64_t last = std::min(keys, first + kChunk);
-    std::fill(state.max, state.max + q_rows, -std::numeric_limits<float>::infinity());
-    std::fill(state.sum, state.sum + q_rows, 0.0f);
-    int64_t live[kChunk];
-    int64_t n = 0;
-    for (int64_t j = first; j < last; ++j) {
-      bool open = false;
-      for (int64_t t = 0; t < rows && !open; ++t) open = mask[t * keys + j] > kBlocked;
-      if (open) live[n++] = j;
-    }
-    // the cache's keys, then the call's own: live is ascending and they come last
-    const T* cache_k[kChunk];
-    const T* cache_v[kChunk];
-    const T* own_k[kChunk];
-    const T* own_v[kChunk];
-    int64_t from_cache = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t j = live[i];
-      if (j < cached) {
-        cache_k[from_cache] = k_cache + (head * slots + j) * dim;
-        cache_v[from_cache++] = v_cache + (head * slots + j) * dim;
-      } else {
-        own_k[i - from_cache] = k_new + (head * fresh + (j - cached)) * dim;
-        own_v[i - from_cache] = v_new + (head * fresh + (j - cached)) * dim;
-      }
-    }
-    const int64_t own = n - from_cache;
-    thread_local std::vector<float> scores;  // per worker thread, reused across calls
-    scores.resize(static_cast<size_t>(q_rows * kChunk));
-    const float* hq = q + head * q_rows * dim;
-    by_row_blocks(q_rows, [&](auto block, int64_t r0) {
-      constexpr int R = decltype(block)::value;
-      float* sr = scores.data() + r0 * kChunk;
-      block_scores<R>(hq + r0 * dim, dim, cache_k, from_cache, sr, kChunk);
-      block_scores<R>(hq + r0 * dim, dim, own_k, own, sr + from_cache, kChunk);
-    });
-    for (int64_t r = 0; r < q_rows; ++r) {
-      float* s = scores.data() + r * kChunk;
-      const float* m_row = mask + (r % rows) * keys;
-      for (int64_t i = 0; i < n; ++i) s[i] += m_row[live[i]];
-      const float m = n ? *std::max_element(s, s + n) : -std::numeric_limits<float>::infinity();
-      // below e^-87 a weight is under float epsilon of the row's largest (1): exactly 0 keeps
-      // every blocked key out of the sum; the loop vectorizes (std::exp was a call per key)
-      const float shift = m > kBlocked ? m : std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < n; ++i) {
-        const float d = s[i] - shift;
-        s[i] = d > -87.0f ? exp_poly(d) : 0.0f;
-      }
-      float total = 0;
-      for (int64_t i = 0; i < n; ++i) total += s[i];
-      state.max[r] = m;
-      state.sum[r] = total;
-    }
-    by_row_blocks(q_rows, [&](auto block, int64_t r0) {
-      constexpr int R = decltype(block)::value;
-      const float* wr = scores.data() + r0 * kChunk;
-      float* ar = state.acc + r0 * dim;
-      block_values<R>(wr, kChunk, cache_v, from_cache, dim, ar, false);
-      block_values<R>(wr + from_cache, kChunk, own_v, own, dim, ar, true);
-    });
-  }
-};
-
-// `by_rows`: out as [rows, heads * dim] (cache_attention_rows) instead of [kv_heads, q_rows, dim].
-template <typename T>
-void attend(const Call<T>& call, int64_t kv_heads, float* out, bool by_rows) {
-  const int64_t q_rows = call.q_rows, dim = call.dim, chunks = call.chunks;
-  const int64_t tasks = kv_heads * chunks;
-  const int64_t stride = q_rows * (dim + 2);  // one Partial's floats
-  thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < tasks * stride) scratch.resize(tasks * stride);
-  float* base = scratch.data();
-  auto partial = [&](int64_t task) {
-    float* p = base + task * stride;
-    return Partial{p, p + q_rows, p + 2 * q_rows};
-  };
-  parallel_tiles(tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) call.chunk(task, partial(task));
-  });
-  for (int64_t head = 0; head < kv_heads; ++head) {  // merge the chunks' softmaxes
-    for (int64_t r = 0; r < q_rows; ++r) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partial(head * chunks + c).max[r]);
-      const int64_t group = q_rows / call.rows, t = r % call.rows;
-      float* o = by_rows ? out + ((t * kv_heads + head) * group + r / call.rows) * dim
-                         : out + (head * q_rows + r) * dim;
-      std::fill(o, o + dim, 0.0f);
-      float total = 0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        Partial state = partial(head * chunks + c);
-        if (state.sum[r] == 0.0f) continue;
-        const float w = std::exp(state.max[r] - m);
-        total += w * state.sum[r];
-        const float* acc = state.acc + r * dim;
-        for (int64_t i = 0; i < dim; ++i) o[i] += w * acc[i];
-      }
-      if (total > 0) {
-        const float inv = 1.0f / total;
-        for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
-      }
-    }
-  }
-}
-
-Tensor& attention(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache,
-                  const Tensor& v_cache, const optional<Tensor>& k_new,
-                  const optional<Tensor>& v_new, const Tensor& mask, Tensor& out, bool by_rows) {
+Tensor& checked_attention(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache,
+                          const Tensor& v_cache, const optional<Tensor>& k_new,
+                          const optional<Tensor>& v_new, const Tensor& mask, Tensor& out,
+                          bool by_rows) {
   ET_KERNEL_CHECK(ctx, q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, InvalidArgument,
                   out);
   ET_KERNEL_CHECK(ctx, k_new.has_value() == v_new.has_value() && mask.dim() == 2, InvalidArgument,
@@ -387,28 +59,20 @@ Tensor& attention(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_ca
 
   const float* kn = fresh ? k_new->const_data_ptr<float>() : nullptr;
   const float* vn = fresh ? v_new->const_data_ptr<float>() : nullptr;
-  const int64_t chunks = (keys + kChunk - 1) / kChunk;
+  const float* qd = q.const_data_ptr<float>();
+  const float* md = mask.const_data_ptr<float>();
   float* od = out.mutable_data_ptr<float>();
-  auto run = [&](auto* k, auto* v, auto* own_k, auto* own_v) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
-    const Call<T> call{q.const_data_ptr<float>(), k, v, own_k, own_v, mask.const_data_ptr<float>(),
-                       q_rows, dim, rows, keys, cached, fresh, slots, chunks};
-    attend(call, kv_heads, od, by_rows);
-  };
   if (cache_type == ScalarType::Half) {
     using executorch::aten::Half;  // IEEE binary16 storage, as Float16
-    const int64_t n = kv_heads * fresh * dim;
-    thread_local std::vector<Float16> rounded;
-    rounded.resize(static_cast<size_t>(2 * n));
-    for (int64_t i = 0; i < n; ++i) {
-      rounded[i] = static_cast<Float16>(kn[i]);
-      rounded[n + i] = static_cast<Float16>(vn[i]);
-    }
-    run(reinterpret_cast<const Float16*>(k_cache.const_data_ptr<Half>()),
-        reinterpret_cast<const Float16*>(v_cache.const_data_ptr<Half>()), rounded.data(),
-        rounded.data() + n);
+    using attention::Float16;
+    attention::cache_attention(qd, reinterpret_cast<const Float16*>(k_cache.const_data_ptr<Half>()),
+                               reinterpret_cast<const Float16*>(v_cache.const_data_ptr<Half>()),
+                               kn, vn, md, kv_heads, q_rows, dim, rows, keys, fresh, slots, od,
+                               by_rows);
   } else {
-    run(k_cache.const_data_ptr<float>(), v_cache.const_data_ptr<float>(), kn, vn);
+    attention::cache_attention(qd, k_cache.const_data_ptr<float>(),
+                               v_cache.const_data_ptr<float>(), kn, vn, md, kv_heads, q_rows, dim,
+                               rows, keys, fresh, slots, od, by_rows);
   }
   return out;
 }
@@ -418,14 +82,14 @@ Tensor& attention(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_ca
 Tensor& cache_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache,
                             const Tensor& v_cache, const optional<Tensor>& k_new,
                             const optional<Tensor>& v_new, const Tensor& mask, Tensor& out) {
-  return attention(ctx, q, k_cache, v_cache, k_new, v_new, mask, out, false);
+  return checked_attention(ctx, q, k_cache, v_cache, k_new, v_new, mask, out, false);
 }
 
 Tensor& cache_attention_rows_out(KernelRuntimeContext& ctx, const Tensor& q,
                                  const Tensor& k_cache, const Tensor& v_cache,
                                  const optional<Tensor>& k_new, const optional<Tensor>& v_new,
                                  const Tensor& mask, Tensor& out) {
-  return attention(ctx, q, k_cache, v_cache, k_new, v_new, mask, out, true);
+  return checked_attention(ctx, q, k_cache, v_cache, k_new, v_new, mask, out, true);
 }
 
 }  // namespace edgemtp
