@@ -224,6 +224,9 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
+constexpr int64_t kAheadAvx2 = 4096;  // bytes of codes prefetched ahead (a prefetch is a hint:
+                                     // past the end of the codes it does not fault)
+
 // As rows_avx512, 8 lanes: a quad's codes are two registers (blocks 0-1, blocks 2-3), each
 // unpacked once for all R rows. maddubs multiplies the unsigned codes by q in int16 pairs
 // (|pair| <= 2 * 15 * 127, and low + high <= 4 * 15 * 127: exact), madd sums them to int32.
@@ -249,6 +252,7 @@ void rows_avx2(const uint8_t* codes, const uint16_t* scales, int64_t blocks, con
   for (int64_t k = 0; k < quads; ++k) {
     const uint8_t* c = codes + k * kQuad * kBlockBytes;
     const uint16_t* sc = scales + k * kQuad;
+    _mm_prefetch(reinterpret_cast<const char*>(c) + kAheadAvx2, _MM_HINT_T0);
     if (const int64_t left = blocks - k * kQuad; left < kQuad) {  // zeros past the last block
       std::memset(tail, 0, sizeof tail);
       std::memset(tail_scales, 0, sizeof tail_scales);
@@ -257,15 +261,14 @@ void rows_avx2(const uint8_t* codes, const uint16_t* scales, int64_t blocks, con
       c = tail;
       sc = tail_scales;
     }
+    const __m256 s4 = _mm256_castps128_ps256(
+        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
     // Two blocks at a time (0-1, then 2-3): fewer registers live across the rows' loop.
     for (int half = 0; half < 2; ++half) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * half));
       const __m256i low = _mm256_and_si256(v, nibble);
       const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      const __m256 s = _mm256_permutevar8x32_ps(
-          _mm256_castps128_ps256(
-              _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))),
-          half ? second : first);
+      const __m256 s = _mm256_permutevar8x32_ps(s4, half ? second : first);
       for (int r = 0; r < R; ++r) {
         const int8_t* qk = q[r] + k * 128 + 32 * half;
         const __m256i p = _mm256_add_epi16(
