@@ -79,6 +79,16 @@ inline void quantize_block(const float* xb, int8_t* low, float* d16, int32_t* bi
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
   const __m512 m = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1));
   const float amax = _mm512_reduce_max_ps(m);
+#elif defined(EDGEMTP_Q4_0_AVX2)
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 m8 = _mm256_max_ps(
+      _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #else
   float amax = 0;
   for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
@@ -93,6 +103,19 @@ inline void quantize_block(const float* xb, int8_t* low, float* d16, int32_t* bi
   _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(low + 64), _mm512_cvtepi32_epi8(q1));
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(EDGEMTP_Q4_0_AVX2)
+  __m256i q[4];  // rounded half to even by cvtps, as nearbyint
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+  // packs works within 128-bit lanes: the permute puts the 32 bytes back in order
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm256_castsi256_si128(bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(low + 64), _mm256_extracti128_si256(bytes, 1));
 #else
   for (int64_t j = 0; j < kBlock; ++j) {
     const auto v = static_cast<int8_t>(std::nearbyint(xb[j] * id));  // half to even
