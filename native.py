@@ -160,20 +160,21 @@ def build_all(out_root: Path, executorch_root: Path | None, root: Path = PACKAGE
     compiled from its sources under `root`. `executorch_root`: the installed `executorch`
     package whose headers the kernels compile against (None: skip the ExecuTorch libraries)."""
     cxx = compiler()
-    jobs = []
-    for library in LIBRARIES:
-        if library.executorch and executorch_root is None:
-            continue
-        for variant in variants() if library.per_isa else (None,):
-            jobs.append((library, variant))
-    say = lambda text: print(f"edgemtp: {text}", file=sys.stderr, flush=True)  # noqa: E731
-    say(f"compiling {len(jobs)} native libraries with {cxx} (a minute or two)")
+    libraries = [lib for lib in LIBRARIES if executorch_root is not None or not lib.executorch]
+    jobs = [
+        (library, variant)
+        for library in libraries
+        for variant in (variants() if library.per_isa else (None,))
+    ]
+    _say(f"compiling {len(jobs)} native libraries with {cxx}")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        list(pool.map(lambda job: _build(cxx, *job, out_root, executorch_root, root, say), jobs))
-    for library in LIBRARIES:
-        if library.executorch and executorch_root is None:
-            continue
+        list(pool.map(lambda job: _build(cxx, *job, out_root, executorch_root, root), jobs))
+    for library in libraries:
         (out_root / library.folder / DIGEST).write_text(source_digest(library, root) + "\n")
+
+
+def _say(text: str) -> None:
+    print(f"edgemtp: {text}", file=sys.stderr, flush=True)
 
 
 def _build(
@@ -183,7 +184,6 @@ def _build(
     out_root: Path,
     executorch_root: Path | None,
     root: Path,
-    say,
 ) -> None:
     arguments = [*COMMON_FLAGS, *(variant.flags if variant else ()), "-shared"]
     if library.executorch:
@@ -210,4 +210,4 @@ def _build(
         first = next((line for line in lines if "error" in line), lines[-1] if lines else "")
         raise BuildError(f"compiling {target.name} failed ({cxx}): {first or 'no output'}")
     os.replace(partial, target)
-    say(f"built {target.name}")
+    _say(f"built {target.name}")

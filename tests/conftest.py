@@ -88,8 +88,14 @@ def core_build(tmp_path_factory) -> Path:
     build = tmp_path_factory.mktemp("core-build")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     source = Path(__file__).resolve().parents[1] / "apps" / "core"
+    from edgemtp import native
+    from edgemtp.runtime import kernels
+
+    # engine_run's kernels built as the library the Python runtime loads here
+    flags = ";".join((*native.COMMON_FLAGS, *kernels.chosen_variant().flags))
+    configure = ["cmake", "-S", str(source), "-B", str(build), *generator]
     for command in (
-        ["cmake", "-S", str(source), "-B", str(build), *generator],
+        [*configure, f"-DEDGEMTP_KERNEL_FLAGS={flags}"],
         ["cmake", "--build", str(build)],
     ):
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
