@@ -82,6 +82,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     # --kernels' old name (the switch covers more than attention): hidden, warns when used
     p.add_argument("--attention", choices=tuple(ATTENTION), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--max-memory",
+        type=float,
+        metavar="GIB",
+        help="refuse before starting when the export's estimated peak is over this many GiB, "
+        "and stop it (nothing written) if it holds more while it runs",
+    )
     p.add_argument("--out", required=True, type=Path, help="bundle folder to create")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
 
@@ -170,10 +177,12 @@ def run(args: argparse.Namespace) -> int:
     from edgemtp.model.checkpoint import target_config
     from edgemtp.model.static import StaticShapes
     from edgemtp.quantize.load import open_checkpoint
-    from edgemtp.runtime.probes import peak_rss_mb
+    from edgemtp.runtime.probes import current_rss_mb, peak_rss_mb
 
     kernels = _kernels(args)
     check_positive("--max-context", args.max_context, 2)
+    if args.max_memory is not None and not args.max_memory > 0:
+        raise EdgeMTPError(f"--max-memory must be a positive number of GiB, got {args.max_memory}")
     if args.draft_depth is None:
         args.draft_depth = 3 if args.drafter else 0
     check_positive("--draft-depth", args.draft_depth, 0)
@@ -201,8 +210,10 @@ def run(args: argparse.Namespace) -> int:
         check_draft_chains(args)
     t0 = time.perf_counter()
 
-    def progress(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+    def progress(msg: str) -> None:  # with the memory held now and the peak so far
+        now, peak = current_rss_mb(), peak_rss_mb()
+        held = f" [rss {now / 1024:.2f}, peak {peak / 1024:.2f} GiB]" if now and peak else ""
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}{held}", file=sys.stderr, flush=True)
 
     request = ExportRequest(
         args.model,
@@ -216,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         args.activations,
         kernels,
         args.draft_chains,
+        None if args.max_memory is None else round(args.max_memory * 2**30),
     )
     manifest = export(request, progress)
     size = sum(f["bytes"] for f in manifest["files"].values())

@@ -8,6 +8,7 @@ no timestamps, sorted keys, deterministic programs (each backend tests its own).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -23,6 +24,14 @@ import torch
 from edgemtp import __version__
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.lowered import Lowered, Progress
+from edgemtp.export.memory import (
+    GIB,
+    MemoryGuard,
+    check_estimate,
+    estimated_peak,
+    linear_elements,
+    release_freed_memory,
+)
 from edgemtp.files import staged_folder
 from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.model.config import TextConfig
@@ -74,9 +83,15 @@ def _as_bytes(chunk: Any) -> np.ndarray:
     return np.asarray(chunk)
 
 
-def write_tables(tables: TokenTables, folder: Path, progress: Progress) -> dict[str, Any]:
+def write_tables(
+    tables: TokenTables,
+    folder: Path,
+    progress: Progress,
+    release_pages: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
     """Write the token (and per-layer) tables as stored into `folder/tables.safetensors`,
-    streaming rows; returns the manifest's description of them."""
+    streaming rows; returns the manifest's description of them. `release_pages` runs after each
+    chunk: a memory-mapped table would otherwise become resident as it is read."""
     roles = {"token": tables.tokens}
     if tables.per_layer is not None:
         roles["ple"] = tables.per_layer
@@ -87,6 +102,7 @@ def write_tables(tables: TokenTables, folder: Path, progress: Progress) -> dict[
         array = arrays[entry.name]
         for start in range(0, max(entry.shape[0], 1), _TABLE_CHUNK_ROWS):
             yield _as_bytes(array[start : start + _TABLE_CHUNK_ROWS])
+            release_pages()
 
     tmp = folder / ".tables"
     tmp.mkdir()
@@ -149,10 +165,13 @@ def _spec(t: torch.Tensor) -> dict[str, Any]:
 
 
 def method_signatures(static: StaticBundle) -> dict[str, Any]:
-    """Every method's inputs and outputs (names, shapes, dtypes), from one eager call each on
-    the example inputs; the cache is emptied again afterwards."""
+    """Every method's inputs and outputs (names, shapes, dtypes), from one call each on the
+    example inputs under fake tensors: shapes only, no activations or weights allocated (a
+    full-size model's 4-bit linears are not dequantized), the cache left as it was."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     out = {}
-    with torch.no_grad():
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         for name, (module, inputs) in static.methods().items():
             result = module(*inputs)
             result = result if isinstance(result, tuple) else (result,)
@@ -163,7 +182,6 @@ def method_signatures(static: StaticBundle) -> dict[str, Any]:
                     {"name": n, **_spec(t)} for n, t in zip(out_names, result, strict=True)
                 ],
             }
-    static.cache.reset()
     return out
 
 
@@ -223,6 +241,8 @@ class ExportRequest:
     # ExecuTorch cpu with a drafter: greedy draft chains `draft_K`, the picks and token lookups
     # in the program (one drafter call per round)
     draft_chains: bool = False
+    # bytes: refuse when the estimated peak is over it, stop the export if it holds more
+    max_memory: int | None = None
 
 
 def _lowerer(backend: str) -> Callable[..., Lowered]:
@@ -336,9 +356,15 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
     _check_configs(req.model, req.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_space(out, req.model, req.drafter)
+    elements = linear_elements(req.model, req.drafter)
+    estimate = estimated_peak(req.backend, req.delegate, elements)
+    guess = f"{estimate / GIB:.1f} GiB" if estimate is not None else "not measured for this form"
+    progress(f"{elements / 1e6:.0f} M linear weights; estimated peak memory {guess}")
+    check_estimate(req.max_memory, estimate)
+    guard = MemoryGuard(req.max_memory, estimate) if req.max_memory else contextlib.nullcontext()
     scratch = Path(tempfile.mkdtemp(prefix=".edgemtp-quantize.", dir=out.parent))
     try:
-        with staged_folder(out) as tmp:
+        with guard, staged_folder(out) as tmp:
             manifest = _write_bundle(req, tmp, scratch, progress)
     except OSError as err:
         if err.errno == 28:  # ENOSPC
@@ -364,13 +390,17 @@ def _write_bundle(
     drafter_path = None
     if req.drafter is not None:
         drafter_path, _ = _prepare(req.drafter, req.quant, "drafter", scratch, progress)
-    target: Target = load_target(target_path)
+    # Every form but ONNX's and the HTP's replaces the 4-bit linears by their codes: their
+    # float weights are never needed whole, only per linear while the signatures are taken.
+    float_4bit = req.backend == "onnx" or req.delegate == "htp"
+    target: Target = load_target(target_path, float_4bit=float_4bit)
     drafter: Drafter | None = (
         load_drafter(drafter_path, target.cfg) if drafter_path is not None else None
     )
     attach_int4(target.model, target.source, target.names)
     if drafter is not None:
         attach_int4(drafter.model, drafter.source, drafter.names)
+    target.source.release_pages()  # the 4-bit weights are unpacked: their pages are not needed
     progress(f"load: {time.perf_counter() - stage:.1f} s")
     # counted before lowering: a backend's form replaces the linears by its own
     int4_linears = int4_counts(target.model, *([drafter.model] if drafter else []))
@@ -396,8 +426,9 @@ def _write_bundle(
     elif (req.backend, req.delegate) == ("executorch", "cpu"):
         extra = {"kernels": req.kernels or "edgemtp"}
     lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
+    release_freed_memory()
     stage = time.perf_counter()
-    tables = write_tables(target.tables, tmp, progress)
+    tables = write_tables(target.tables, tmp, progress, target.source.release_pages)
     (tmp / "config.json").write_text(json.dumps(target.cfg.raw, indent=1, sort_keys=True))
     if drafter is not None:
         raw = json.dumps(drafter.cfg.raw, indent=1, sort_keys=True)

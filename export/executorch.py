@@ -36,6 +36,7 @@ from edgemtp.export.executorch_program import (
 from edgemtp.export.forms import COREML_DELEGATE, QNN, form_for
 from edgemtp.export.int4 import CLUSTERED_HEAD
 from edgemtp.export.lowered import Lowered, Progress
+from edgemtp.export.memory import release_freed_memory
 from edgemtp.model.static import StaticBundle, method_io
 from edgemtp.runtime.kernels.ops import KERNEL_MAX_ROWS
 from edgemtp.runtime.runners.executorch import program_kernels
@@ -170,11 +171,20 @@ def program_operator_kinds(program: Any) -> dict[str, dict[str, int]]:
     return out
 
 
+def write_program(manager: Any, path: Path) -> int:
+    """Write an ExecuTorch program's segments straight to `path` (its `buffer` would first join
+    them into one bytes object as large as the program); returns the bytes written."""
+    with path.open("wb") as f:
+        manager.write_to_file(f)
+    return path.stat().st_size
+
+
 def _lower_xnnpack(
     static: StaticBundle, out_dir: Path, progress: Progress, kernels: str = "edgemtp"
 ) -> Lowered:
     start = time.perf_counter()
     stats = static.use_form(form_for("executorch", "cpu", kernels))
+    release_freed_memory()  # the conversion's temporaries
     stats.setdefault("int4", {})
     stats["attention"] = "kernel" if kernels == "edgemtp" else "matmul"
     programs = _export_all(static, progress)
@@ -195,9 +205,8 @@ def _lower_xnnpack(
     for name, kinds in program_operator_kinds(manager.executorch_program).items():
         summary[name]["runtime_ops"] = sum(kinds.values())
         summary[name]["runtime_op_kinds"] = kinds
-    data = manager.buffer
-    (out_dir / PROGRAM).write_bytes(data)
-    progress(f"emit {PROGRAM}: {len(data) / 2**20:.1f} MiB ({time.perf_counter() - t:.1f}s)")
+    size = write_program(manager, out_dir / PROGRAM)
+    progress(f"emit {PROGRAM}: {size / 2**20:.1f} MiB ({time.perf_counter() - t:.1f}s)")
     delegates = sum(m["delegates"] for m in summary.values())
     portable = sum(m["portable_nodes"] for m in summary.values())
     progress(
@@ -347,9 +356,8 @@ def _lower_coreml(
     edge = lower_programs(programs, partitioners, progress)
     progress(f"lower {len(programs)} methods to Core ML {units} ({time.perf_counter() - t:.1f}s)")
     summary = delegation_summary(edge, exempt=(CLUSTERED_HEAD,), backend="Core ML")
-    data = edge.to_executorch(backend_config()).buffer
-    (out_dir / PROGRAM).write_bytes(data)
-    progress(f"emit {PROGRAM}: {len(data) / 2**20:.1f} MiB ({time.perf_counter() - start:.1f}s)")
+    size = write_program(edge.to_executorch(backend_config()), out_dir / PROGRAM)
+    progress(f"emit {PROGRAM}: {size / 2**20:.1f} MiB ({time.perf_counter() - start:.1f}s)")
     n4 = sum(counts.values())
     numerics = {
         "weights": (
@@ -418,8 +426,7 @@ def _lower_qnn(static: StaticBundle, out_dir: Path, progress: Progress) -> Lower
             skip_mutable_buffer=True,  # the cache stays one ExecuTorch buffer for every method
         )
     progress(f"lower {len(methods)} methods to QNN HTP {soc} ({time.perf_counter() - start:.1f}s)")
-    data = edge.to_executorch(backend_config()).buffer
-    (out_dir / PROGRAM).write_bytes(data)
+    write_program(edge.to_executorch(backend_config()), out_dir / PROGRAM)
     return Lowered(
         files=[PROGRAM],
         program=PROGRAM,

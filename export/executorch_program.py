@@ -30,6 +30,7 @@ from torch.export import ExportedProgram
 from torch.overrides import TorchFunctionMode
 
 from edgemtp.errors import EdgeMTPError
+from edgemtp.export.memory import release_freed_memory
 
 CACHE_BUFFER_PATTERN = "kvcache_"  # placeholder names of the cache buffers contain this
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -292,6 +293,7 @@ def lower_programs(
                 module._compile_specs = [s for s in specs if s.key != LINEAR_PASSES_ONLY]
         lowered[name] = edge.exported_program(name)
         share_delegated_weights(gm, tensors, data)
+        release_freed_memory()  # a lowering's temporaries: freed, yet resident otherwise
         progress(
             f"lower {name} ({i + 1}/{len(programs)}): {len(gm.graph.nodes)} nodes "
             f"({time.perf_counter() - start:.1f}s)"

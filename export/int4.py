@@ -25,6 +25,7 @@ from edgemtp.export.weights import Int4Weight, int4_of
 from edgemtp.quantize.q4_0 import BLOCK, Q4_0, nibbles_q4_0
 
 CLUSTERED_HEAD = "masked_embedding"  # module path of the drafter's clustered head
+_FORM_ROWS = 4096  # rows of a weight `_block_form` converts at a time
 
 
 def _block_form(w: Int4Weight) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -32,17 +33,25 @@ def _block_form(w: Int4Weight) -> tuple[Tensor, Tensor, Tensor | None]:
     None) with w = codes * scales + offset per block, exactly:
 
     s > 0: (c - z) s = (c - 8) s + (8 - z) s;  s < 0: (c - z) s = (7 - c)|s| + (z - 7)|s|;
-    s = 0: codes 0, scale 1 (XNNPACK wants normal scales), offset 0."""
+    s = 0: codes 0, scale 1 (XNNPACK wants normal scales), offset 0.
+
+    Converted `_FORM_ROWS` rows at a time: a whole 262144-row head's int16 temporaries would
+    take gigabytes at once."""
     out, n_in = w.shape
-    c = w.codes.to(torch.int16).view(out, -1, w.group)
-    z = w.zeros.to(torch.int16)[..., None]
-    s = w.scales.float()
-    pos, neg = (s > 0)[..., None], (s < 0)[..., None]
-    codes = torch.where(pos, c - 8, torch.where(neg, 7 - c, torch.zeros_like(c)))
-    offset = torch.where(pos, 8 - z, torch.where(neg, z - 7, torch.zeros_like(z)))[..., 0]
-    offset = offset.float() * s.abs()
-    scales = torch.where(s == 0, torch.ones_like(s), s.abs())
-    codes = codes.view(out, n_in).to(torch.int8)
+    codes = torch.empty(out, n_in, dtype=torch.int8)
+    scales = torch.empty(w.scales.shape, dtype=torch.float32)
+    offset = torch.empty_like(scales)
+    for r in range(0, out, _FORM_ROWS):
+        rows = slice(r, r + _FORM_ROWS)
+        c = w.codes[rows].to(torch.int16).view(-1, n_in // w.group, w.group)
+        z = w.zeros[rows].to(torch.int16)[..., None]
+        s = w.scales[rows].float()
+        pos, neg = (s > 0)[..., None], (s < 0)[..., None]
+        signed = torch.where(pos, c - 8, torch.where(neg, 7 - c, torch.zeros_like(c)))
+        codes[rows] = signed.view(-1, n_in)
+        shift = torch.where(pos, 8 - z, torch.where(neg, z - 7, torch.zeros_like(z)))[..., 0]
+        offset[rows] = shift.float() * s.abs()
+        scales[rows] = torch.where(s == 0, torch.ones_like(s), s.abs())
     return codes, scales, (offset if bool((offset != 0).any()) else None)
 
 
@@ -220,10 +229,11 @@ def to_int4_linears(model: nn.Module, make: Callable[[Int4Weight], Int4Linear]) 
     clustered = getattr(model, CLUSTERED_HEAD, None) is not None
     if clustered:
         stats["head"] = "fp32 rows gathered"
-    for path, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        w = int4_of(module)
+    # By path, not a list of the modules: each replaced linear, and the 4-bit weight it
+    # carries, is freed as soon as its form is built (all held at once doubled the peak).
+    paths = [path for path, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for path in paths:
+        w = int4_of(model.get_submodule(path))
         if w is None:
             stats["float_linears"].append(path)
             continue

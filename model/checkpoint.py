@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.model.config import (
@@ -111,6 +112,35 @@ class TensorSource:
     def table(self, name: str) -> Rows:
         """A host-side lookup table: rows are gathered (and dequantized) only when looked up."""
         return self.raw(name)
+
+    def release_pages(self) -> None:
+        """Drop the checkpoint's read pages from resident memory (`SafetensorsFile`)."""
+        if "where" in self.__dict__:  # files opened
+            for file in {id(f): f for f in self.where.values()}.values():
+                file.release_pages()
+
+    def shape_4bit(self, name: str) -> tuple[int, int] | None:
+        """The float shape of a weight stored in 4 bits, None for any other (a plain safetensors
+        folder stores none). Read from the stored layout: nothing is unpacked."""
+        return None
+
+
+class StoredLinear(nn.Linear):
+    """A linear whose weight is stored 4-bit in the checkpoint and is not held as floats: each
+    use of `weight` reads it from the (memory-mapped) checkpoint and dequantizes it. Exports
+    whose form replaces such linears by their 4-bit codes then never hold the float model."""
+
+    def __init__(self, linear: nn.Linear, source: TensorSource, name: str, dtype: torch.dtype):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None
+        self.source, self.name, self.dtype = source, name, dtype
+
+    @property  # type: ignore[override]
+    def weight(self) -> torch.Tensor:
+        if detect_fake_mode() is not None:  # tracing shapes: nothing to read
+            return torch.empty(self.out_features, self.in_features, dtype=self.dtype)
+        return self.source.tensor(self.name).to(self.dtype)
 
 
 def _text_prefix(names: list[str]) -> str:
@@ -227,17 +257,44 @@ def target_config(raw: dict[str, Any], where: str) -> TextConfig:
     )
 
 
-def target_from_source(source: TensorSource, dtype: torch.dtype = torch.float32) -> Target:
-    """The target of an opened checkpoint (`quantize.load.load_target` opens any kind)."""
+def _store_4bit_linears(
+    model: nn.Module, source: TensorSource, rename: dict[str, str], dtype: torch.dtype
+) -> int:
+    """Replace (in place, on the meta device) every linear whose weight the checkpoint stores in
+    4 bits by a `StoredLinear`. Returns how many."""
+    count = 0
+    for path, module in list(model.named_modules()):
+        name = rename.get(f"{path}.weight")
+        shape = source.shape_4bit(name) if type(module) is nn.Linear and name else None
+        if shape is None:
+            continue
+        if shape != (module.out_features, module.in_features):
+            raise EdgeMTPError(
+                f"{source.path}: tensor '{name}' has shape {list(shape)}, the config implies "
+                f"{[module.out_features, module.in_features]}"
+            )
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, StoredLinear(module, source, name, dtype))
+        count += 1
+    return count
+
+
+def target_from_source(
+    source: TensorSource, dtype: torch.dtype = torch.float32, float_4bit: bool = True
+) -> Target:
+    """The target of an opened checkpoint (`quantize.load.load_target` opens any kind).
+    `float_4bit=False`: linears stored in 4 bits keep no float weight (`StoredLinear`)."""
     cfg = target_config(source.config, str(source.path))
     prefix = _text_prefix(source.names())
     with torch.device("meta"):
         model = Gemma4Target(cfg)
-    model = _materialize(model, source)
-    register_rope(model, cfg)
     tied = "lm_head.weight" not in source.names() or cfg.raw.get("tie_word_embeddings", True)
     rename = {k: prefix + k for k in model.state_dict()}
     rename["lm_head.weight"] = prefix + "embed_tokens.weight" if tied else "lm_head.weight"
+    if not float_4bit:
+        _store_4bit_linears(model, source, rename, dtype)
+    model = _materialize(model, source)
+    register_rope(model, cfg)
     _load_module(model, source, rename, dtype)
     tokens_name = prefix + "embed_tokens.weight"
     tokens = _table(source, tokens_name, (cfg.vocab_size, cfg.hidden_size))

@@ -113,6 +113,13 @@ class SafetensorsFile:
             data = bytearray(f.read((stop - start) * row_bytes))
         return torch.frombuffer(data, dtype=dtype).view(stop - start, *shape[1:])
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory: they stay in the page
+        cache, and a later read maps them again. An export that has streamed through a
+        checkpoint would otherwise count all of it as resident."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):  # not on Windows
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def advise_random(self) -> None:
         """Tell the kernel rows are read at random (lookup tables): no read-ahead around each
         touched row, so resident memory follows the rows looked up."""

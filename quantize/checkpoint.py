@@ -143,6 +143,19 @@ class QuantizedSource(TensorSource):
             return read_pack_quantized(tensors, scheme, name)
         return None
 
+    def shape_4bit(self, name: str) -> tuple[int, int] | None:
+        q4 = self._stored(name, "weight_q4_0")
+        if q4 in self.where:
+            rows, row_bytes = self.where[q4].shape(q4)
+            return rows, row_bytes // BLOCK_BYTES * BLOCK
+        if self._stored(name, "weight_packed") not in self.where:
+            return None
+        shape = self._stored(name, "weight_shape")
+        if shape in self.where:
+            out_features, in_features = (int(n) for n in self.raw(shape).reshape(-1))
+            return out_features, in_features
+        return self.quantized(name).shape  # type: ignore[union-attr]
+
     def tensor(self, name: str) -> torch.Tensor:
         q = self.quantized(name)
         if isinstance(q, Q4_0):

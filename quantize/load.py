@@ -32,8 +32,10 @@ def open_checkpoint(path: Path) -> TensorSource:
     return TensorSource(path, config)
 
 
-def load_target(path: Path, dtype: torch.dtype = torch.float32) -> Target:
-    return target_from_source(open_checkpoint(path), dtype)
+def load_target(path: Path, dtype: torch.dtype = torch.float32, float_4bit: bool = True) -> Target:
+    """`float_4bit=False`: the linears stored in 4 bits hold no float weights (an export whose
+    backend form computes from the 4-bit codes needs none)."""
+    return target_from_source(open_checkpoint(path), dtype, float_4bit)
 
 
 def load_drafter(path: Path, target: TextConfig, dtype: torch.dtype = torch.float32) -> Drafter:

@@ -325,8 +325,9 @@ def test_greedy_tokens_and_rounds_equal_python(engine_run, demo_bundle, session,
         assert (stats["seconds_by_phase"]["drafter"] > 0) == (depth > 0)
 
 
-def test_separate_memory_arenas_decode_wrong_tokens_silently(engine_run, demo_bundle, session,
-                                                           prompts):
+def test_separate_memory_arenas_decode_wrong_tokens_silently(
+    engine_run, demo_bundle, session, prompts
+):
     """The runner as a Module built without share_memory_arenas (the stock ExecuTorch AAR's
     Java Module) runs it: each method gets its own copy of the cache, so decode steps never see
     what prefill wrote. Nothing fails; the tokens are wrong. Every other test here runs the

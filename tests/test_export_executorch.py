@@ -180,6 +180,31 @@ def test_8da4w_linear_matches_numpy_oracle(checkpoints, scheme):
     assert np.abs(oracle - xn @ w.dequantize().numpy().T).max() > 1e-4 * scale  # not fp32
 
 
+def test_block_form_of_a_weight_taller_than_a_conversion_chunk_is_exact():
+    """`_block_form` converts a few thousand rows at a time: every chunk, the last partial one
+    too, holds the weight exactly (zero, negative and positive scales, asymmetric zeros)."""
+    from edgemtp.export.int4 import _FORM_ROWS
+    from edgemtp.export.weights import Int4Weight
+
+    g = torch.Generator().manual_seed(3)
+    rows, cols, group = 2 * _FORM_ROWS + 77, 64, 32
+    # float16 values, as checkpoints store them: a code times a scale is then exact in fp32
+    scales = torch.randn(rows, cols // group, generator=g).half().float()
+    scales[::7] = 0.0
+    w = Int4Weight(
+        torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=g),
+        scales,
+        torch.randint(0, 16, (rows, cols // group), dtype=torch.uint8, generator=g),
+        group,
+        "w4a16",
+    )
+    codes, block_scales, offset = _block_form(w)
+    assert offset is not None and codes.dtype == torch.int8 and (block_scales > 0).all()
+    blocks = codes.float().view(rows, -1, group) * block_scales[..., None]
+    dequantized = blocks.view(rows, cols) + offset.repeat_interleave(group, 1)
+    np.testing.assert_array_equal(dequantized.numpy(), w.dequantize().numpy())
+
+
 class _ThreeParts(torch.nn.Module):
     """Q, K and V of a layer as an attention block projects them."""
 
@@ -291,7 +316,9 @@ def test_program_tokens(checkpoints, lowered, scheme):
             assert tokens == ar.tokens, label
         else:  # verify_4 and verify_0 round differently (see _program_picks)
             agree, gap = _program_picks(driver, _prompt(), tokens)
-            assert agree >= N_NEW - 2 and gap <= TOLERANCE["8da4w_vs_8da4w"], (label, agree, gap)
+            # near-ties only: every pick within the tolerance of the program's best; how many
+            # flip depends on the kernel variant's summation order (3 of 36 with AVX2's)
+            assert agree >= N_NEW - 3 and gap <= TOLERANCE["8da4w_vs_8da4w"], (label, agree, gap)
 
     for depth in range(1, SHAPES.max_draft + 1):  # 1..3 left-padded into verify_4
         mtp = greedy(driver, _prompt(), N_NEW, depth)

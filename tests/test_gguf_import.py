@@ -284,12 +284,19 @@ def test_quantized_returns_the_written_bytes(q4):
         q = src.quantized(name)
         if kind == T.Q4_0:
             n_q4 += 1
+            assert src.shape_4bit(name) == q.shape
             np.testing.assert_array_equal(pack_q4_0(q), data)
             ref = gguf.quants.dequantize(data, T.Q4_0)
             np.testing.assert_array_equal(src.tensor(name).numpy(), ref)
         else:
             assert q is None
     assert n_q4 > 20
+
+
+def test_logits_equal_without_float_copies_of_4bit_linears(q4):
+    _, path, _ = q4
+    got = logits(load_target(path, float_4bit=False), IDS)
+    assert torch.equal(got, logits(load_target(path), IDS))
 
 
 def test_tables_look_up_rows_without_dequantizing(q4):

@@ -234,3 +234,45 @@ def test_quantized_pair_decodes_with_mtp(tmp_path):
     ar = generate(target, [2, 10, 11, 12], 40)
     mtp = generate(target, [2, 10, 11, 12], 40, drafter=drafter, mtp_depth=3)
     assert mtp.tokens == ar.tokens
+
+
+@pytest.mark.parametrize("scheme", ["q4_0", "w4a16"])
+def test_4bit_linears_without_floats_compute_the_same(tmp_path, scheme):
+    """`float_4bit=False` (what exports load): a linear stored in 4 bits holds no float weight,
+    yet each use gives the eager load's dequantized weight, so decoding is token-identical."""
+    from torch import nn
+
+    from edgemtp.model.checkpoint import StoredLinear
+    from edgemtp.model.synth import write_preset
+    from edgemtp.runtime.generate import generate
+
+    write_preset("tiny", tmp_path / "t", init_std=0.05)
+    quantize_checkpoint(tmp_path / "t", tmp_path / "q", Settings(scheme=scheme, group_size=32))
+    eager = load_target(tmp_path / "q")
+    lazy = load_target(tmp_path / "q", float_4bit=False)
+    stored = [n for n, m in lazy.model.named_modules() if isinstance(m, StoredLinear)]
+    four_bit = [
+        n
+        for n, m in eager.model.named_modules()
+        if isinstance(m, nn.Linear) and eager.source.quantized(eager.names[f"{n}.weight"])
+    ]
+    assert stored == four_bit and "layers.0.mlp.down_proj" in stored
+    held = set(lazy.model.state_dict())
+    assert not held & {f"{n}.weight" for n in stored}
+    assert set(eager.model.state_dict()) - held == {f"{n}.weight" for n in stored}
+    for n in stored:
+        assert torch.equal(lazy.model.get_submodule(n).weight, eager.model.get_submodule(n).weight)
+    prompt = [2, 10, 11, 12, 40, 7]
+    assert generate(lazy, prompt, 24).tokens == generate(eager, prompt, 24).tokens
+
+
+def test_4bit_linear_of_another_shape_is_refused_without_floats(tmp_path):
+    from edgemtp.model.synth import write_preset
+
+    write_preset("tiny", tmp_path / "t", init_std=0.05)
+    quantize_checkpoint(tmp_path / "t", tmp_path / "q", Settings(scheme="q4_0"))
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EdgeMTPError, match=r"gate_proj.weight' has shape \[128, 64\], the config"):
+        load_target(tmp_path / "q", float_4bit=False)

@@ -1,0 +1,124 @@
+"""An export's memory: the peak it expects before it starts, and the guard that stops it with one
+clear line (nothing written) before the operating system would kill it.
+
+The estimate counts what scales with the model: the elements of its linears, the weights every
+program holds in 4 bits (`linear_elements`), priced per element by what an export of that
+backend form was measured to hold at its peak (benchmarks/README.md, "Exporting in bounded
+memory"), plus what the libraries themselves take.
+"""
+
+from __future__ import annotations
+
+import _thread
+import ctypes
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from edgemtp.errors import EdgeMTPError
+from edgemtp.model.checkpoint import drafter_config, target_config
+from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target
+from edgemtp.quantize.load import open_checkpoint
+from edgemtp.runtime.probes import current_rss_mb
+
+GIB = 2**30
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class PeakModel:
+    """peak = base + per_element * linear elements, for one backend form."""
+
+    base: float  # bytes: Python, torch, the exporter's libraries, a small model's graphs
+    per_element: float  # bytes per linear weight element at the export's peak
+
+
+# Fitted to measured peaks (`benchmarks/export_memory.py`); forms not measured have none.
+PEAK_MODELS: dict[tuple[str, str], PeakModel] = {}
+
+
+def linear_elements(model: Path, drafter: Path | None) -> int:
+    """Weights of the target's (and the drafter's) linears, from the configs alone: the models
+    are built on the meta device, nothing is read or allocated."""
+    target = open_checkpoint(model)
+    cfg = target_config(target.config, str(target.path))
+    with torch.device("meta"):
+        modules: list[nn.Module] = [Gemma4Target(cfg)]
+        if drafter is not None:
+            assistant = open_checkpoint(drafter)
+            assistant_cfg = drafter_config(assistant.config, str(assistant.path))
+            modules.append(Gemma4Drafter(assistant_cfg, cfg))
+    return sum(
+        m.weight.numel() for root in modules for m in root.modules() if isinstance(m, nn.Linear)
+    )
+
+
+def estimated_peak(backend: str, delegate: str, elements: int) -> int | None:
+    """Bytes an export is expected to hold at its peak; None where no export of this form was
+    measured."""
+    fit = PEAK_MODELS.get((backend, delegate))
+    return None if fit is None else round(fit.base + fit.per_element * elements)
+
+
+class MemoryGuard:
+    """While active, samples this process's resident memory; past `limit` bytes it interrupts
+    the main thread, and the export stops with one line (its staged folder removed) instead of
+    being killed by the OS later. A long native call is stopped when it returns to Python."""
+
+    def __init__(self, limit: int, estimate: int | None, interval: float = 0.2):
+        self.limit, self.estimate, self.interval = limit, estimate, interval
+        self.tripped: float | None = None  # resident MiB when the guard fired
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            rss = current_rss_mb()
+            if rss is not None and rss * MIB > self.limit:
+                self.tripped = rss
+                _thread.interrupt_main()
+                return
+
+    def __enter__(self) -> MemoryGuard:
+        if current_rss_mb() is not None:  # nothing to watch where memory cannot be read
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.tripped is not None and kind is KeyboardInterrupt:
+            expected = (
+                f"; its estimated peak was {self.estimate / GIB:.1f} GiB" if self.estimate else ""
+            )
+            raise EdgeMTPError(
+                f"export stopped: it held {self.tripped * MIB / GIB:.1f} GiB, over --max-memory "
+                f"{self.limit / GIB:.1f} GiB{expected}; nothing was written (raise --max-memory "
+                "or export on a machine with more memory)"
+            ) from None
+
+
+def release_freed_memory() -> None:
+    """Hand memory the program has freed back to the OS. glibc keeps freed blocks below its
+    (self-raising) mmap threshold in the heap, where a weight conversion's many temporaries
+    otherwise stay resident for the rest of the export. Elsewhere, nothing to do."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+def check_estimate(limit: int | None, estimate: int | None) -> None:
+    """Refuse before any work when the estimate is over `limit`."""
+    if limit is not None and estimate is not None and estimate > limit:
+        raise EdgeMTPError(
+            f"this export is estimated to peak at {estimate / GIB:.1f} GiB, over --max-memory "
+            f"{limit / GIB:.1f} GiB; nothing was done (raise --max-memory, or export on a "
+            "machine with more memory)"
+        )

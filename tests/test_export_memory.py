@@ -1,0 +1,64 @@
+"""An export's memory: the estimate it prints and refuses by, and the guard that stops it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from edgemtp.cli import main
+from edgemtp.errors import EdgeMTPError
+from edgemtp.export.memory import PEAK_MODELS, MemoryGuard, estimated_peak, linear_elements
+from edgemtp.model.synth import write_preset
+from edgemtp.quantize.load import load_drafter, load_target
+from edgemtp.runtime.probes import current_rss_mb
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("memory")
+    return (
+        write_preset("tiny", root / "t", init_std=0.05),
+        write_preset("tiny-assistant", root / "a", init_std=0.05),
+    )
+
+
+def test_linear_elements_are_the_loaded_models_linears(pair):
+    target_path, drafter_path = pair
+    target = load_target(target_path)
+    drafter = load_drafter(drafter_path, target.cfg)
+    loaded = [m for model in (target.model, drafter.model) for m in model.modules()]
+    want = sum(m.weight.numel() for m in loaded if isinstance(m, nn.Linear))
+    assert linear_elements(target_path, drafter_path) == want
+    only_target = sum(m.weight.numel() for m in target.model.modules() if isinstance(m, nn.Linear))
+    assert linear_elements(target_path, None) == only_target < want
+
+
+def test_the_estimate_grows_with_the_weights():
+    for (backend, delegate), fit in PEAK_MODELS.items():
+        small = estimated_peak(backend, delegate, 10**6)
+        big = estimated_peak(backend, delegate, 10**9)
+        assert small is not None and big is not None
+        assert fit.base < small < big
+    assert estimated_peak("executorch", "no-such-delegate", 10**9) is None
+
+
+@pytest.mark.skipif(current_rss_mb() is None, reason="this platform does not report memory")
+def test_the_guard_stops_the_main_thread_in_one_line():
+    with pytest.raises(EdgeMTPError) as err:
+        with MemoryGuard(limit=2**20, estimate=3 * 2**30, interval=0.01):
+            time.sleep(10)  # interrupted within one sampling interval
+    line = str(err.value)
+    assert line.startswith("export stopped: it held ") and "over --max-memory 0.0 GiB" in line
+    assert "estimated peak was 3.0 GiB" in line and "nothing was written" in line
+    with MemoryGuard(limit=2**50, estimate=None, interval=0.01):
+        time.sleep(0.05)  # under the limit: nothing happens
+
+
+def test_max_memory_must_be_positive(pair, tmp_path, capsys):
+    argv = ["export", "--model", str(pair[0]), "--backend", "onnx", "--max-memory", "0"]
+    assert main([*argv, "--out", str(tmp_path / "b")]) != 0
+    assert "--max-memory must be a positive number of GiB, got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
