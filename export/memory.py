@@ -36,8 +36,12 @@ class PeakModel:
     per_element: float  # bytes per linear weight element at the export's peak
 
 
-# Fitted to measured peaks (`benchmarks/export_memory.py`); forms not measured have none.
-PEAK_MODELS: dict[tuple[str, str], PeakModel] = {}
+# Fitted to the peaks of two measured exports (benchmarks/README.md: full-size E2B with its
+# assistant, 2357 M linear weights, 10.17 GiB; E2B at --scale 0.5, 500 M, 2.83 GiB). Forms not
+# measured have none.
+PEAK_MODELS: dict[tuple[str, str], PeakModel] = {
+    ("executorch", "cpu"): PeakModel(base=0.85 * GIB, per_element=4.24),
+}
 
 
 def linear_elements(model: Path, drafter: Path | None) -> int:

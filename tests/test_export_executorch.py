@@ -685,3 +685,30 @@ def test_scaled_e2b_bundle_from_the_cli(tmp_path):
         if model is reference:
             assert int(got.argmax()) == int(ref.argmax())
     assert errors[0] <= 0.3 and errors[0] <= 0.6 * errors[1]
+
+
+def test_bitset_dependencies_answer_as_executorchs_viewer():
+    """The group partitioner's dependency viewer, replaced to keep memory linear in bits: the
+    same transitive users (and inputs) for every node of a branching graph."""
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import (
+        _DependencyViewer,
+    )
+
+    from edgemtp.export.executorch_program import BitsetDependencies
+
+    graph = torch.fx.Graph()
+    values = [graph.placeholder("x"), graph.placeholder("y")]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(120):  # each op reads two earlier values: branches, joins, dead ends
+        a, b = (values[int(i)] for i in torch.randint(0, len(values), (2,), generator=g))
+        values.append(graph.call_function(torch.add, (a, b)))
+    graph.output(values[-1])
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    # ExecuTorch's own class (replaced in its module once a program has been lowered here)
+    reference = (BitsetDependencies.replaced or _DependencyViewer)(gm)
+    assert not isinstance(reference, BitsetDependencies)
+    ours = BitsetDependencies(gm)
+    for node in gm.graph.nodes:
+        assert ours.downstreams_of(node) == reference.downstreams_of(node)
+        assert ours.upstreams_of(node) == reference.upstreams_of(node)
+    assert any(len(ours.downstreams_of(n)) > 50 for n in gm.graph.nodes)

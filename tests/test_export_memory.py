@@ -62,3 +62,22 @@ def test_max_memory_must_be_positive(pair, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "b")]) != 0
     assert "--max-memory must be a positive number of GiB, got 0.0" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_an_estimate_over_max_memory_is_refused_before_any_work(pair, tmp_path, capsys):
+    target, drafter = pair
+    elements = linear_elements(target, drafter)
+    estimate = estimated_peak("executorch", "cpu", elements)
+    assert estimate is not None
+    argv = ["export", "--model", str(target), "--drafter", str(drafter), "--backend"]
+    argv += ["executorch", "--max-memory", "0.5", "--out", str(tmp_path / "b")]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert f"estimated peak memory {estimate / 2**30:.1f} GiB" in err  # printed first
+    line = err.strip().splitlines()[-1]
+    assert line == (
+        f"edgemtp export: error: this export is estimated to peak at {estimate / 2**30:.1f} "
+        "GiB, over --max-memory 0.5 GiB; nothing was done (raise --max-memory, or export on "
+        "a machine with more memory)"
+    )
+    assert not (tmp_path / "b").exists() and list(tmp_path.iterdir()) == []
