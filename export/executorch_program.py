@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -256,12 +257,9 @@ class BitsetDependencies:
             self.below[i] = bits
 
     def downstreams_of(self, node: torch.fx.Node) -> set[torch.fx.Node]:
-        bits, out = self.below[self.index[node]], set()
-        while bits:
-            low = bits & -bits
-            out.add(self.nodes[low.bit_length() - 1])
-            bits ^= low
-        return out
+        bits = self.below[self.index[node]]
+        raw = np.frombuffer(bits.to_bytes((len(self.nodes) + 7) // 8, "little"), np.uint8)
+        return {self.nodes[i] for i in np.flatnonzero(np.unpackbits(raw, bitorder="little"))}
 
     def upstreams_of(self, node: torch.fx.Node) -> set[torch.fx.Node]:
         bit = 1 << self.index[node]
