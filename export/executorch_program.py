@@ -17,6 +17,7 @@ every pass deep-copies) are collapsed to their origin between stages.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import Counter
@@ -266,11 +267,25 @@ class BitsetDependencies:
         return {n for n, below in zip(self.nodes, self.below, strict=True) if below & bit}
 
 
+def copy_sharing_constants(cls: type, program: ExportedProgram, specs: list[Any]) -> Any:
+    """An isolated copy of a partition's program for XNNPACK's preprocessing, its graph copied
+    and its constant tensors shared: ExecuTorch deep-copies every partition of a method at once
+    before preprocessing any, so a whole-model method held a second copy of all its weights
+    (GiBs at full size). XNNPACK reads the constants and writes its packed copies elsewhere."""
+    shared = [*program.state_dict.values(), *program.constants.values()]
+    return copy.deepcopy(program, {id(t): t for t in shared if isinstance(t, torch.Tensor)})
+
+
 def xnnpack_partitioner() -> Any:
     """XNNPACK's partitioner for the static programs (`static_partitioner`), its group
-    partitioner's dependency viewer replaced by `BitsetDependencies` (same answers)."""
+    partitioner's dependency viewer replaced by `BitsetDependencies` (same answers) and its
+    partitions copied for preprocessing with their constants shared (`copy_sharing_constants`).
+    """
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
     from executorch.exir.backend.canonical_partitioners import group_partitioner
+
+    XnnpackBackend.copy_exported_program_for_preprocess = classmethod(copy_sharing_constants)
 
     viewer = group_partitioner._DependencyViewer  # type: ignore[attr-defined]
     if viewer is not BitsetDependencies:
