@@ -36,11 +36,11 @@ class PeakModel:
     per_element: float  # bytes per linear weight element at the export's peak
 
 
-# Fitted to the peaks of two measured exports (benchmarks/README.md: full-size E2B with its
-# assistant, 2357 M linear weights, 10.17 GiB; E2B at --scale 0.5, 500 M, 2.83 GiB). Forms not
-# measured have none.
+# Fitted to the peaks of two measured exports (benchmarks/README.md, "Exporting in bounded
+# memory"): the full-size E2B preset with its assistant, 2357 M linear weights, 8.02 GiB, and
+# PEER-90M, 64 M, 1.64 GiB. Forms not measured have none.
 PEAK_MODELS: dict[tuple[str, str], PeakModel] = {
-    ("executorch", "cpu"): PeakModel(base=0.85 * GIB, per_element=4.24),
+    ("executorch", "cpu"): PeakModel(base=1.46 * GIB, per_element=2.99),
 }
 
 
