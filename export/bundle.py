@@ -270,6 +270,19 @@ def _stored_scheme(path: Path) -> str:
     return "gguf" if path.suffix == ".gguf" else "none"
 
 
+def _check_requantize(path: Path, quant: str) -> str:
+    """The scheme `path` is stored in, refusing a `quant` that would re-quantize it."""
+    stored = _stored_scheme(path)
+    keeps = quant in ("auto", stored) or (stored == "gguf" and quant == "q4_0")
+    if not keeps and stored != "none":
+        raise EdgeMTPError(
+            f"{path} is stored as {stored}; it cannot be exported as --quant {quant} "
+            f"(pre-quantized weights are never re-quantized): pass --quant auto or the float "
+            "checkpoint"
+        )
+    return stored
+
+
 def _prepare(
     path: Path, quant: str, role: str, scratch: Path, progress: Progress
 ) -> tuple[Path, str]:
@@ -277,15 +290,9 @@ def _prepare(
     scheme was asked for; pre-quantized weights are used as they are, never re-quantized."""
     from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 
-    stored = _stored_scheme(path)
+    stored = _check_requantize(path, quant)
     if quant in ("auto", stored) or (stored == "gguf" and quant == "q4_0"):
         return path, stored
-    if stored != "none":
-        raise EdgeMTPError(
-            f"{path} is stored as {stored}; it cannot be exported as --quant {quant} "
-            f"(pre-quantized weights are never re-quantized): pass --quant auto or the float "
-            "checkpoint"
-        )
     if quant == "none":
         return path, "none"
     t0 = time.perf_counter()
@@ -356,6 +363,9 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
     _check_configs(req.model, req.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_space(out, req.model, req.drafter)
+    for p in (req.model, req.drafter):  # every refusal before the estimate's line
+        if p is not None:
+            _check_requantize(p, req.quant)
     elements = linear_elements(req.model, req.drafter)
     estimate = estimated_peak(req.backend, req.delegate, elements)
     guess = f"{estimate / GIB:.1f} GiB" if estimate is not None else "not measured for this form"
