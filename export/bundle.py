@@ -290,7 +290,7 @@ def _prepare(
     scheme was asked for; pre-quantized weights are used as they are, never re-quantized."""
     from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 
-    stored = _check_requantize(path, quant)
+    stored = _stored_scheme(path)  # `export` refused re-quantizing it before any work
     if quant in ("auto", stored) or (stored == "gguf" and quant == "q4_0"):
         return path, stored
     if quant == "none":

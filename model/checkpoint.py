@@ -259,10 +259,9 @@ def target_config(raw: dict[str, Any], where: str) -> TextConfig:
 
 def _store_4bit_linears(
     model: nn.Module, source: TensorSource, rename: dict[str, str], dtype: torch.dtype
-) -> int:
+) -> None:
     """Replace (in place, on the meta device) every linear whose weight the checkpoint stores in
-    4 bits by a `StoredLinear`. Returns how many."""
-    count = 0
+    4 bits by a `StoredLinear`."""
     for path, module in list(model.named_modules()):
         name = rename.get(f"{path}.weight")
         shape = source.shape_4bit(name) if type(module) is nn.Linear and name else None
@@ -275,8 +274,6 @@ def _store_4bit_linears(
             )
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, StoredLinear(module, source, name, dtype))
-        count += 1
-    return count
 
 
 def target_from_source(
