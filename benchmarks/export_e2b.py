@@ -34,9 +34,9 @@ memory available at the start minus 1.5 GiB) or the machine's available memory f
 else. A failure is a result: it is written like one.
 
 Usage:
-  python benchmarks/export_e2b.py [--work DIR] [--only ours|executorch] [--scale F]
-                                  [--max-context 1024]
-Writes benchmarks/results/export_e2b.{json,md,png} (scaled runs: export_e2b_s<F>.*).
+  python benchmarks/export_e2b.py [--preset e2b|e4b] [--work DIR] [--only ours|executorch]
+                                  [--scale F] [--max-context 1024]
+Writes benchmarks/results/export_PRESET.{json,md,png} (scaled runs: export_PRESET_s<F>.*).
 """
 
 from __future__ import annotations
@@ -133,15 +133,15 @@ HOST_NOTE = "shared 2-core / 24 GiB machine (other agents' work runs beside it)"
 # --- checkpoints --------------------------------------------------------------------------------
 
 
-def checkpoint_paths(work: Path, scale: float) -> tuple[Path, Path]:
+def checkpoint_paths(work: Path, scale: float, preset: str = "e2b") -> tuple[Path, Path]:
     tag = "" if scale == 1.0 else f"-s{scale:g}"
-    return work / f"e2b{tag}", work / f"e2b-assistant{tag}"
+    return work / f"{preset}{tag}", work / f"{preset}-assistant{tag}"
 
 
-def ensure_checkpoints(work: Path, scale: float) -> tuple[Path, Path]:
+def ensure_checkpoints(work: Path, scale: float, model: str = "e2b") -> tuple[Path, Path]:
     """The bf16 target and assistant, written by `edgemtp synth` once and reused."""
-    target, drafter = checkpoint_paths(work, scale)
-    for preset, path in (("e2b", target), ("e2b-assistant", drafter)):
+    target, drafter = checkpoint_paths(work, scale, model)
+    for preset, path in ((model, target), (f"{model}-assistant", drafter)):
         if (path / "config.json").is_file():
             log(f"reusing {path}")
             continue
@@ -633,6 +633,7 @@ def fmt_row(r: dict) -> list[str]:
 
 
 def markdown(report: dict) -> str:
+    preset = report.get("preset", "e2b").upper()
     head = [
         "exporter",
         "status",
@@ -644,7 +645,7 @@ def markdown(report: dict) -> str:
         "contains",
     ]
     lines = [
-        f"# Export of the E2B preset (scale {report['scale']:g}, max context "
+        f"# Export of the {preset} preset (scale {report['scale']:g}, max context "
         f"{report['max_context']})",
         "",
         f"Run {report['date']} on {report['machine']['cpu']}, {report['machine']['cores']} cores, "
@@ -739,6 +740,7 @@ def short_status(status: str) -> str:
 
 def plot(report: dict, path: Path) -> None:
     plt = pyplot()
+    preset = report.get("preset", "e2b").upper()
     rows = list(report["results"].values())
     labels = [
         "ExecuTorch example\n(target only)"
@@ -797,7 +799,8 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel("s")
     ax.legend(fontsize=8)
     fig.suptitle(
-        f"E2B preset export (scale {report['scale']:g}, max context {report['max_context']}), "
+        f"{preset} preset export (scale {report['scale']:g}, "
+        f"max context {report['max_context']}), "
         f"{report['machine']['cores']} cores / {report['machine']['memory_gib']} GiB",
         fontsize=10,
     )
@@ -815,6 +818,7 @@ def main() -> None:
         help="cache folder for the checkpoints, the renamed copy and the outputs (~25 GB at full "
         "size)",
     )
+    ap.add_argument("--preset", choices=["e2b", "e4b"], default="e2b", help="model to export")
     ap.add_argument("--only", choices=["ours", "executorch"], help="run one exporter")
     ap.add_argument("--scale", type=float, default=1.0, help="synth --scale (dry runs: 0.1)")
     ap.add_argument("--max-context", type=int, default=1024, help="cache length for both")
@@ -826,7 +830,7 @@ def main() -> None:
     )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per exporter")
     ap.add_argument("--progress-every", type=float, default=30, help="seconds between lines")
-    ap.add_argument("--out", type=Path, help="results stem (default results/export_e2b[_sF])")
+    ap.add_argument("--out", type=Path, help="results stem (default results/export_PRESET[_sF])")
     ap.add_argument(
         "--ours-backend",
         default="executorch",
@@ -843,7 +847,7 @@ def main() -> None:
         args.mem_limit_gb * GIB if args.mem_limit_gb else start_mem["MemAvailable"] - 1.5 * GIB
     )
     tag = "" if args.scale == 1.0 else f"-s{args.scale:g}"
-    stem = args.out or RESULTS / ("export_e2b" + tag.replace("-", "_"))
+    stem = args.out or RESULTS / (f"export_{args.preset}" + tag.replace("-", "_"))
     json_path, md_path, png_path = (Path(f"{stem}{ext}") for ext in (".json", ".md", ".png"))
     if args.replot:
         report = json.loads(json_path.read_text())
@@ -855,7 +859,7 @@ def main() -> None:
         f"{start_mem['MemTotal'] / GIB:.1f}; guard at {args.mem_limit / GIB:.1f} GiB"
     )
     args.work.mkdir(parents=True, exist_ok=True)
-    target, drafter = ensure_checkpoints(args.work, args.scale)
+    target, drafter = ensure_checkpoints(args.work, args.scale, args.preset)
 
     previous = {}
     if json_path.is_file():
@@ -886,14 +890,15 @@ def main() -> None:
     report = {
         "command": shell([Path(sys.executable).name, *sys.argv]),
         "date": datetime.date.today().isoformat(),
+        "preset": args.preset,
         "scale": args.scale,
         "max_context": args.max_context,
         "threads": args.threads,
         "mem_limit_gib": args.mem_limit / GIB,
         "machine": machine(fields=HOST_FIELDS, note=HOST_NOTE),
         "checkpoint": {
-            "target": f"synth --preset e2b --scale {args.scale:g} (bf16)",
-            "drafter": f"synth --preset e2b-assistant --scale {args.scale:g} (bf16)",
+            "target": f"synth --preset {args.preset} --scale {args.scale:g} (bf16)",
+            "drafter": f"synth --preset {args.preset}-assistant --scale {args.scale:g} (bf16)",
             "target_gib": folder_bytes(target) / GIB,
             "drafter_gib": folder_bytes(drafter) / GIB,
         },

@@ -31,6 +31,7 @@ from edgemtp.export.memory import (
     estimated_peak,
     linear_elements,
     release_freed_memory,
+    spilling,
 )
 from edgemtp.files import staged_folder
 from edgemtp.model.checkpoint import Drafter, Target
@@ -410,7 +411,6 @@ def _write_bundle(
     attach_int4(target.model, target.source, target.names)
     if drafter is not None:
         attach_int4(drafter.model, drafter.source, drafter.names)
-    target.source.release_pages()  # the 4-bit weights are unpacked: their pages are not needed
     progress(f"load: {time.perf_counter() - stage:.1f} s")
     # counted before lowering: a backend's form replaces the linears by its own
     int4_linears = int4_counts(target.model, *([drafter.model] if drafter else []))
@@ -435,7 +435,10 @@ def _write_bundle(
         extra = {"tables": target.tables, "activations": req.activations or "int8"}
     elif (req.backend, req.delegate) == ("executorch", "cpu"):
         extra = {"kernels": req.kernels or "edgemtp"}
-    lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
+    with spilling(scratch) as spill:  # the weight forms live in files while lowered
+        lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
+    if spill.bytes:
+        progress(f"weights spilled to disk while lowering: {spill.bytes / 2**30:.2f} GiB")
     release_freed_memory()
     stage = time.perf_counter()
     tables = write_tables(target.tables, tmp, progress, target.source.release_pages)

@@ -36,7 +36,7 @@ from edgemtp.export.executorch_program import (
 from edgemtp.export.forms import COREML_DELEGATE, QNN, form_for
 from edgemtp.export.int4 import CLUSTERED_HEAD
 from edgemtp.export.lowered import Lowered, Progress
-from edgemtp.export.memory import release_freed_memory
+from edgemtp.export.memory import release_spilled
 from edgemtp.model.static import StaticBundle, method_io
 from edgemtp.runtime.kernels.ops import KERNEL_MAX_ROWS
 from edgemtp.runtime.runners.executorch import program_kernels
@@ -184,7 +184,7 @@ def _lower_xnnpack(
 ) -> Lowered:
     start = time.perf_counter()
     stats = static.use_form(form_for("executorch", "cpu", kernels))
-    release_freed_memory()  # the conversion's temporaries
+    release_spilled()  # the conversion's temporaries and the forms' written pages
     stats.setdefault("int4", {})
     stats["attention"] = "kernel" if kernels == "edgemtp" else "matmul"
     programs = _export_all(static, progress)

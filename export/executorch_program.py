@@ -32,7 +32,7 @@ from torch.export import ExportedProgram
 from torch.overrides import TorchFunctionMode
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.memory import release_freed_memory
+from edgemtp.export.memory import release_spilled, spill_data
 
 CACHE_BUFFER_PATTERN = "kvcache_"  # placeholder names of the cache buffers contain this
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -276,16 +276,31 @@ def copy_sharing_constants(cls: type, program: ExportedProgram, specs: list[Any]
     return copy.deepcopy(program, {id(t): t for t in shared if isinstance(t, torch.Tensor)})
 
 
+def preprocess_releasing(cls: type, program: ExportedProgram, specs: list[Any]) -> Any:
+    """XNNPACK's preprocessing of one partition, then its packed weights spilled and the
+    spilled weights it read released: the partitions of a whole-model method together read
+    and pack all of its weights."""
+    result = preprocess_releasing.original(program, specs)  # type: ignore[attr-defined]
+    named = result.data_store_output
+    if named is not None:  # the packed weights wait for the emit in files, if spilling
+        named.buffers = [spill_data(b) for b in named.buffers]
+    release_spilled()
+    return result
+
+
 def xnnpack_partitioner() -> Any:
     """XNNPACK's partitioner for the static programs (`static_partitioner`), its group
-    partitioner's dependency viewer replaced by `BitsetDependencies` (same answers) and its
-    partitions copied for preprocessing with their constants shared (`copy_sharing_constants`).
-    """
+    partitioner's dependency viewer replaced by `BitsetDependencies` (same answers), its
+    partitions copied for preprocessing with their constants shared (`copy_sharing_constants`)
+    and spilled weights released after each (`preprocess_releasing`)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
     from executorch.exir.backend.canonical_partitioners import group_partitioner
 
     XnnpackBackend.copy_exported_program_for_preprocess = classmethod(copy_sharing_constants)
+    if not hasattr(preprocess_releasing, "original"):
+        preprocess_releasing.original = XnnpackBackend.preprocess  # type: ignore[attr-defined]
+        XnnpackBackend.preprocess = classmethod(preprocess_releasing)
 
     viewer = group_partitioner._DependencyViewer  # type: ignore[attr-defined]
     if viewer is not BitsetDependencies:
@@ -344,7 +359,7 @@ def lower_programs(
                 module._compile_specs = [s for s in specs if s.key != LINEAR_PASSES_ONLY]
         lowered[name] = edge.exported_program(name)
         share_delegated_weights(gm, tensors, data)
-        release_freed_memory()  # a lowering's temporaries: freed, yet resident otherwise
+        release_spilled()  # a lowering's temporaries and read weights: resident otherwise
         progress(
             f"lower {name} ({i + 1}/{len(programs)}): {len(gm.graph.nodes)} nodes "
             f"({time.perf_counter() - start:.1f}s)"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgemtp.export.memory import spill_module
 from edgemtp.export.weights import Int4Weight, int4_of
 from edgemtp.quantize.q4_0 import BLOCK, Q4_0, nibbles_q4_0
 
@@ -239,6 +240,7 @@ def to_int4_linears(model: nn.Module, make: Callable[[Int4Weight], Int4Linear]) 
             continue
         parent_path, _, leaf = path.rpartition(".")
         q = make(w)
+        spill_module(q)
         setattr(model.get_submodule(parent_path) if parent_path else model, leaf, q)
         if clustered and path == "lm_head":
             stats["head"] = f"int4 {w.scheme} rows, the kept ones gathered"
@@ -271,7 +273,9 @@ def fuse_linears(model: nn.Module, groups: dict[str, tuple[str, ...]]) -> int:
                 for p in parts
             ):
                 continue
-            module.register_module(fused_name, Int4Linear.fused(parts))
+            fused = Int4Linear.fused(parts)
+            spill_module(fused)
+            module.register_module(fused_name, fused)
             for name in names:
                 setattr(module, name, None)
             folded += len(parts)

@@ -10,10 +10,16 @@ memory"), plus what the libraries themselves take.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import ctypes
+import mmap
+import os
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,6 +122,101 @@ def release_freed_memory() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+class Spill:
+    """Weights moved out of anonymous memory into unlinked files under `folder`, mapped back in
+    place: the programs keep their tensors, but their pages are the page cache's, which the
+    kernel writes back and drops under pressure, and `release` takes them out of this process's
+    resident set (MADV_DONTNEED) once a stage has read them. What an export's weight forms would
+    otherwise hold at once (1.7 bytes a weight for the ExecuTorch cpu form) then costs disk, not
+    memory; the files vanish with the process."""
+
+    MIN_BYTES = MIB  # smaller tensors are not worth a mapping each
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.maps: list[mmap.mmap] = []
+        self.spilled: set[int] = set()  # data pointers of the spilled tensors
+        self.bytes = 0
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A file-backed copy of `t` (itself when small, or already spilled)."""
+        n = t.untyped_storage().nbytes()
+        whole = t.is_contiguous() and not t.storage_offset() and t.numel() * t.element_size() == n
+        if n < self.MIN_BYTES or not whole or t.data_ptr() in self.spilled:
+            return t
+        fd, path = tempfile.mkstemp(dir=self.folder, prefix=".spill-")
+        try:
+            os.unlink(path)
+            os.ftruncate(fd, n)
+            mapped = mmap.mmap(fd, n)
+        finally:
+            os.close(fd)
+        out = torch.frombuffer(mapped, dtype=t.dtype, count=t.numel()).view(t.shape)
+        out.copy_(t)
+        mapped.madvise(mmap.MADV_DONTNEED)
+        self.maps.append(mapped)
+        self.spilled.add(out.data_ptr())
+        self.bytes += n
+        return out
+
+    def module(self, module: torch.nn.Module) -> None:
+        """Spill every parameter and buffer of `module` in place."""
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for t in table.values():
+                    if t is None:
+                        continue
+                    spilled = self.tensor(t.data)
+                    if spilled is not t.data:
+                        t.data = spilled
+
+    def release(self) -> None:
+        for mapped in self.maps:
+            mapped.madvise(mmap.MADV_DONTNEED)
+
+
+_spill: Spill | None = None
+
+
+@contextlib.contextmanager
+def spilling(folder: Path) -> Iterator[Spill]:
+    """While active, `spill_module` moves weight forms to files under `folder` and
+    `release_spilled` drops their resident pages."""
+    global _spill
+    previous, _spill = _spill, Spill(folder)
+    try:
+        yield _spill
+    finally:
+        _spill = previous
+
+
+def spill_module(module: torch.nn.Module) -> None:
+    """Spill `module`'s weights if an export is spilling (`spilling`); else nothing."""
+    if _spill is not None:
+        _spill.module(module)
+
+
+def spill_data(data: Any) -> Any:
+    """`data` (bytes a delegate packed, to be written into the program) moved to a file
+    ExecuTorch's serializer copies from (its `FileBackedData`), if an export is spilling."""
+    if _spill is None or not isinstance(data, bytes) or len(data) < Spill.MIN_BYTES:
+        return data
+    from executorch.exir._serialize._cord import FileBackedData
+
+    fd, path = tempfile.mkstemp(dir=_spill.folder, prefix=".spill-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    _spill.bytes += len(data)
+    return FileBackedData(path, cleanup=True)
+
+
+def release_spilled() -> None:
+    """Drop the spilled weights' pages from resident memory, and freed heap with them."""
+    if _spill is not None:
+        _spill.release()
+    release_freed_memory()
 
 
 def check_estimate(limit: int | None, estimate: int | None) -> None:

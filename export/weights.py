@@ -67,23 +67,42 @@ def int4_weight(q: Q4_0 | W4A16) -> Int4Weight:
     return Int4Weight(codes, scales, zeros, q.group_size, "w4a16")
 
 
+@dataclass(frozen=True)
+class StoredInt4:
+    """Where a linear's 4-bit weight is stored: unpacked into an `Int4Weight` at each
+    `int4_of`, so a model's 4-bit weights are never all unpacked at once (1.16 bytes a weight,
+    where the memory-mapped checkpoint holds 0.56)."""
+
+    source: TensorSource
+    name: str
+    scheme: str  # "q4_0" or "w4a16"
+
+    def unpack(self) -> Int4Weight:
+        stored = self.source.quantized(self.name)  # type: ignore[attr-defined]
+        weight = int4_weight(stored)
+        self.source.release_pages()  # read once per form: the mapped pages need not stay
+        return weight
+
+
 def attach_int4(model: nn.Module, source: TensorSource, names: dict[str, str]) -> int:
     """Set `linear.int4` on every linear of `model` whose checkpoint weight is stored in 4 bits
-    (`names`: state-dict key -> checkpoint name, as `load_target` returns it). Returns how many."""
-    quantized = getattr(source, "quantized", None)
+    (`names`: state-dict key -> checkpoint name, as `load_target` returns it): a `StoredInt4`,
+    nothing read yet. Returns how many."""
     count = 0
     for path, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        stored = quantized(names[f"{path}.weight"]) if quantized is not None else None
-        module.int4 = int4_weight(stored) if stored is not None else None  # type: ignore[assignment]
-        count += stored is not None
+        name = names[f"{path}.weight"]
+        scheme = source.scheme_4bit(name)
+        module.int4 = StoredInt4(source, name, scheme) if scheme else None  # type: ignore[assignment]
+        count += scheme is not None
     return count
 
 
 def int4_of(linear: nn.Module) -> Int4Weight | None:
-    """The 4-bit form `attach_int4` found for a linear, if any."""
-    return getattr(linear, "int4", None)
+    """The 4-bit form `attach_int4` found for a linear, if any, unpacked from the checkpoint."""
+    stored = getattr(linear, "int4", None)
+    return stored.unpack() if stored is not None else None
 
 
 def int4_counts(*models: nn.Module) -> dict[str, int]:
@@ -92,6 +111,6 @@ def int4_counts(*models: nn.Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for model in models:
         for module in model.modules():
-            if (w := int4_of(module)) is not None:
-                counts[w.scheme] = counts.get(w.scheme, 0) + 1
+            if (stored := getattr(module, "int4", None)) is not None:
+                counts[stored.scheme] = counts.get(stored.scheme, 0) + 1
     return dict(sorted(counts.items()))

@@ -124,6 +124,11 @@ class TensorSource:
         folder stores none). Read from the stored layout: nothing is unpacked."""
         return None
 
+    def scheme_4bit(self, name: str) -> str | None:
+        """ "q4_0" or "w4a16" for a weight stored in 4 bits, None for any other; nothing is
+        unpacked."""
+        return None
+
 
 class StoredLinear(nn.Linear):
     """A linear whose weight is stored 4-bit in the checkpoint and is not held as floats: each

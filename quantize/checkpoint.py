@@ -143,6 +143,11 @@ class QuantizedSource(TensorSource):
             return read_pack_quantized(tensors, scheme, name)
         return None
 
+    def scheme_4bit(self, name: str) -> str | None:
+        if self._stored(name, "weight_q4_0") in self.where:
+            return "q4_0"
+        return "w4a16" if self._stored(name, "weight_packed") in self.where else None
+
     def shape_4bit(self, name: str) -> tuple[int, int] | None:
         q4 = self._stored(name, "weight_q4_0")
         if q4 in self.where:

@@ -199,6 +199,10 @@ class GGUFSource(TensorSource):
         s = self._entry(name)
         return self._q4_0(s, name) if s.type == _T.Q4_0 else None
 
+    def scheme_4bit(self, name: str) -> str | None:
+        s = self._stored.get(name)
+        return "q4_0" if s is not None and s.type == _T.Q4_0 else None
+
     def shape_4bit(self, name: str) -> tuple[int, int] | None:
         s = self._stored.get(name)
         return (s.shape[0], s.shape[1]) if s is not None and s.type == _T.Q4_0 else None

@@ -6,11 +6,21 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from edgemtp.cli import main
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.memory import PEAK_MODELS, MemoryGuard, estimated_peak, linear_elements
+from edgemtp.export.memory import (
+    PEAK_MODELS,
+    MemoryGuard,
+    Spill,
+    estimated_peak,
+    linear_elements,
+    release_spilled,
+    spill_module,
+    spilling,
+)
 from edgemtp.model.synth import write_preset
 from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.probes import current_rss_mb
@@ -81,3 +91,34 @@ def test_an_estimate_over_max_memory_is_refused_before_any_work(pair, tmp_path, 
         "a machine with more memory)"
     )
     assert not (tmp_path / "b").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_spilled_tensor_keeps_its_values_after_its_pages_are_released(tmp_path):
+    w = torch.randint(-8, 8, (1024, 2048), dtype=torch.int8)
+    linear = nn.Linear(2048, 1024, bias=False)
+    linear.weight.data = w.float()
+    with spilling(tmp_path) as spill:
+        out = spill.tensor(w)
+        assert out is not w and torch.equal(out, w)
+        assert spill.tensor(out) is out  # spilled once
+        assert spill.tensor(w[:, :4].contiguous()) is not None  # small: kept as it is
+        spill_module(linear)
+        release_spilled()
+        assert torch.equal(out, w) and torch.equal(linear.weight, w.float())
+        assert spill.bytes == w.numel() + 4 * w.numel()
+        assert list(tmp_path.iterdir()) == []  # the files are unlinked: they go with the process
+
+
+def test_a_spilled_export_writes_the_same_program(pair, tmp_path, monkeypatch, capsys):
+    """Every weight form moved to files (none are big enough in a tiny model unless forced)
+    changes nothing the program holds."""
+    target, drafter = pair
+    argv = ["export", "--model", str(target), "--drafter", str(drafter), "--quant", "q4_0"]
+    argv += ["--backend", "executorch", "--max-context", "64"]
+    assert main([*argv, "--out", str(tmp_path / "plain")]) == 0
+    assert "spilled" not in capsys.readouterr().err
+    monkeypatch.setattr(Spill, "MIN_BYTES", 1)
+    assert main([*argv, "--out", str(tmp_path / "spilled")]) == 0
+    assert "weights spilled to disk while lowering" in capsys.readouterr().err
+    plain = (tmp_path / "plain" / "model.pte").read_bytes()
+    assert (tmp_path / "spilled" / "model.pte").read_bytes() == plain

@@ -284,12 +284,12 @@ def test_quantized_returns_the_written_bytes(q4):
         q = src.quantized(name)
         if kind == T.Q4_0:
             n_q4 += 1
-            assert src.shape_4bit(name) == q.shape
+            assert src.shape_4bit(name) == q.shape and src.scheme_4bit(name) == "q4_0"
             np.testing.assert_array_equal(pack_q4_0(q), data)
             ref = gguf.quants.dequantize(data, T.Q4_0)
             np.testing.assert_array_equal(src.tensor(name).numpy(), ref)
         else:
-            assert q is None
+            assert q is None and src.scheme_4bit(name) is None
     assert n_q4 > 20
 
 

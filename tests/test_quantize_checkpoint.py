@@ -242,6 +242,7 @@ def test_4bit_linears_without_floats_compute_the_same(tmp_path, scheme):
     yet each use gives the eager load's dequantized weight, so decoding is token-identical."""
     from torch import nn
 
+    from edgemtp.export.weights import StoredInt4, attach_int4, int4_of, int4_weight
     from edgemtp.model.checkpoint import StoredLinear
     from edgemtp.model.synth import write_preset
     from edgemtp.runtime.generate import generate
@@ -264,6 +265,22 @@ def test_4bit_linears_without_floats_compute_the_same(tmp_path, scheme):
         assert torch.equal(lazy.model.get_submodule(n).weight, eager.model.get_submodule(n).weight)
     prompt = [2, 10, 11, 12, 40, 7]
     assert generate(lazy, prompt, 24).tokens == generate(eager, prompt, 24).tokens
+    # what exports attach: where each 4-bit weight is, read only when a form asks for it
+    attach_int4(lazy.model, lazy.source, lazy.names)
+    for n, m in lazy.model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        name = lazy.names[f"{n}.weight"]
+        if n not in stored:
+            assert m.int4 is None and lazy.source.scheme_4bit(name) is None
+            continue
+        want = int4_weight(lazy.source.quantized(name))  # a tied head is Q4_0 in any scheme
+        assert isinstance(m.int4, StoredInt4) and m.int4.scheme == want.scheme
+        assert want.scheme == scheme or name == "model.embed_tokens.weight"
+        got = int4_of(m)
+        assert got is not None and got.scheme == want.scheme and got.group == want.group
+        for field in ("codes", "scales", "zeros"):
+            assert torch.equal(getattr(got, field), getattr(want, field))
 
 
 def test_4bit_linear_of_another_shape_is_refused_without_floats(tmp_path):
