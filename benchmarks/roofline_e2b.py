@@ -1,7 +1,8 @@
-"""Full-size E2B Q4_0 AR decode against this machine's memory-bandwidth roofline (issue 7).
+"""Full-size E2B (or E4B) Q4_0 AR decode against this machine's memory-bandwidth roofline.
 
     python benchmarks/roofline_e2b.py --work /work/e2b [--threads 2] [--repeat 5]
         [--prompt 64] [--tokens 128] [--out benchmarks/results]
+        [--preset e4b --bundle BUNDLE [--reference Q4_0_CHECKPOINT] [--mtp]]
 
 Builds under --work, once (8 to 35 minutes by host, and 19 GiB of memory, most of it
 ExecuTorch's lowering):
@@ -21,13 +22,19 @@ the checkpoint's blocks, 4-bit codes and a float16 scale per 32; otherwise as th
 them: 4-bit codes, bf16 scales, the offset blocks of negative Q4_0 scales), the LM head included,
 and the K/V the static program reads. Roofline tok/s = bandwidth / bytes per token; each
 repeat's fraction compares the two measured side by side. Peak RSS: this process's high-water mark.
-Writes OUT/roofline_e2b.{json,md,png}.
+With `--bundle`, an existing bundle is measured (`--preset` names the model). `--reference`:
+first, greedy tokens of the bundle against the reference engine's on that Q4_0 checkpoint (the
+weights the bundle was exported from; loaded without float copies, each linear dequantized on
+use), `--check-tokens` of them after the run's first prompt. `--mtp`: each repeat also decodes
+the same prompt with `--mtp auto` (the bundle's drafter), side by side with its AR decode.
+Writes OUT/roofline_PRESET.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -42,11 +49,13 @@ from harness import EDGEMTP, RESULTS, log, machine, pyplot, save_figure, write_r
 GOAL = 0.70  # issue 7: AR decode at >= 70 % of the memory-bandwidth roofline
 
 
-def build(work: Path) -> Path:
-    checkpoint, bundle = work / "e2b", work / "bundle"
+def build(work: Path, preset: str = "e2b") -> Path:
+    checkpoint, bundle = work / preset, work / "bundle"
     if not (checkpoint / "config.json").is_file():
-        log("synthesizing the full-size E2B checkpoint (random weights, bf16)")
-        subprocess.run([*EDGEMTP, "synth", "--preset", "e2b", "--out", str(checkpoint)], check=True)
+        log(f"synthesizing the full-size {preset} checkpoint (random weights, bf16)")
+        subprocess.run(
+            [*EDGEMTP, "synth", "--preset", preset, "--out", str(checkpoint)], check=True
+        )
     if not (bundle / "manifest.json").is_file():
         log("exporting it (Q4_0, ExecuTorch XNNPACK): about 35 minutes here")
         subprocess.run([*EDGEMTP, "export", "--model", str(checkpoint), "--quant", "q4_0",
@@ -101,6 +110,21 @@ def bytes_per_token(bundle: Path, position: int) -> dict[str, float]:
     }
 
 
+def reference_tokens(checkpoint: Path, prompt: list[int], n: int) -> dict[str, Any]:
+    """The reference engine's greedy tokens on `checkpoint`'s Q4_0 weights (no float copy)."""
+    import torch
+
+    from edgemtp.quantize.load import load_target
+    from edgemtp.runtime.generate import generate
+
+    log(f"reference engine: {n} tokens on {checkpoint} (each linear dequantized on use)")
+    start = time.perf_counter()
+    target = load_target(checkpoint, float_4bit=False)
+    with torch.no_grad():
+        tokens = generate(target, prompt, n, stop_ids=()).tokens
+    return {"tokens": tokens, "seconds": time.perf_counter() - start}
+
+
 def measure(bundle: Path, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -108,37 +132,63 @@ def measure(bundle: Path, args: argparse.Namespace) -> dict[str, Any]:
     from edgemtp.runtime.session import Session
 
     torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    vocab = json.loads((bundle / "manifest.json").read_text())["model"]["vocab_size"]
+    first_prompt = torch.randint(3, vocab, (args.prompt,), generator=gen).tolist()
+    reference = None
+    if args.reference:
+        reference = reference_tokens(args.reference, first_prompt, args.check_tokens)
     log(f"loading {bundle} ({args.threads} threads)")
     start = time.perf_counter()
     session = Session.from_bundle(bundle, threads=args.threads, verify=False)
     load_s = time.perf_counter() - start
     per_token = bytes_per_token(bundle, args.prompt + args.tokens // 2)
-    gen = torch.Generator().manual_seed(0)
-    vocab = session.backend.vocab_size
-
-    def decode() -> dict[str, Any]:
-        prompt = torch.randint(3, vocab, (args.prompt,), generator=gen).tolist()
+    tokens_check = None
+    if reference is not None:
         with torch.no_grad():
-            result = session.generate(prompt, args.tokens, mtp=0, stop_ids=())
+            got = session.generate(first_prompt, args.check_tokens, mtp=0, stop_ids=()).tokens
+        want = reference["tokens"]
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        tokens_check = {"bundle": got, **reference, "equal": got == want, "first_differ": same}
+        log(f"tokens vs the reference engine: {'equal' if got == want else f'differ at {same}'}")
+
+    def decode(prompt: list[int], mtp: int | str) -> dict[str, Any]:
+        with torch.no_grad():
+            result = session.generate(prompt, args.tokens, mtp=mtp, stop_ids=())
         m = result.metrics()
         steps = m["decode_forwards"]
         phases = {k: 1000 * v / steps for k, v in m["decode_seconds_by_phase"].items()}
-        return {"tok_s": m["decode_tok_s"], "ms_per_step": phases}
+        out = {"tok_s": m["decode_tok_s"], "ms_per_step": phases, "tokens": result.tokens}
+        if mtp != 0:
+            out["tokens_per_forward"] = len(result.tokens) / steps
+        return out
 
     log("warm-up decode (not counted)")
-    decode()
+    decode(first_prompt, 0)
+    if args.mtp:
+        decode(first_prompt, "auto")
     runs = []
     for r in range(args.repeat):
         bandwidth = probe_in_fresh_process(args.threads)
-        run = decode()
+        prompt = torch.randint(3, vocab, (args.prompt,), generator=gen).tolist()
+        run = decode(prompt, 0)
         achieved = run["tok_s"] * per_token["total"] / 1e9
         runs.append({"bandwidth_gbs": bandwidth, **run, "achieved_gbs": achieved,
                      "fraction": achieved / bandwidth})  # fmt: skip
-        log(
+        line = (
             f"repeat {r + 1}/{args.repeat}: read bandwidth {bandwidth:.1f} GB/s, decode "
             f"{run['tok_s']:.2f} tok/s = {achieved:.1f} GB/s ({achieved / bandwidth:.0%})"
         )
+        if args.mtp:
+            mtp = decode(prompt, "auto")
+            runs[-1]["mtp"] = {k: mtp[k] for k in ("tok_s", "tokens_per_forward")}
+            runs[-1]["mtp"]["same_tokens"] = mtp["tokens"] == run["tokens"]
+            runs[-1]["mtp"]["ratio"] = mtp["tok_s"] / run["tok_s"]
+            line += f"; --mtp auto {mtp['tok_s']:.2f} tok/s ({mtp['tok_s'] / run['tok_s']:.2f}x)"
+        del run["tokens"]
+        log(line)
     return {
+        "tokens_check": tokens_check,
         "load_s": load_s,
         "bytes_per_token": per_token,
         "runs": runs,
@@ -154,7 +204,18 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         return statistics.median(r[key] for r in runs)
 
     fractions = [r["fraction"] for r in runs]
+    mtp = {}
+    if all("mtp" in r for r in runs):
+        mtp = {
+            "mtp_tok_s": statistics.median(r["mtp"]["tok_s"] for r in runs),
+            "mtp_ratio": statistics.median(r["mtp"]["ratio"] for r in runs),
+            "mtp_tokens_per_forward": statistics.median(
+                r["mtp"]["tokens_per_forward"] for r in runs
+            ),
+            "mtp_same_tokens": all(r["mtp"]["same_tokens"] for r in runs),
+        }
     return {
+        **mtp,
         "tok_s": med("tok_s"),
         "bandwidth_gbs": med("bandwidth_gbs"),
         "achieved_gbs": med("achieved_gbs"),
@@ -169,7 +230,8 @@ def report(doc: dict[str, Any]) -> str:
     s, b = doc["summary"], doc["bytes_per_token"]
     gib = 2**30
     lines = [
-        "# Full-size E2B Q4_0 AR decode against the memory-bandwidth roofline",
+        f"# Full-size {doc.get('preset', 'e2b').upper()} Q4_0 AR decode against the "
+        "memory-bandwidth roofline",
         "",
         f"`{doc['command']}` ({doc['date']}; {doc['machine']['cpu']}, "
         f"{doc['machine']['cores']} cores; {doc['threads']} threads, "
@@ -203,6 +265,24 @@ def report(doc: dict[str, Any]) -> str:
         f"{doc['peak_rss_gib']:.2f} GiB (after decoding {doc['rss_after_gib']:.2f} GiB; "
         f"bundle loaded in {doc['load_s']:.0f} s).",
     ]
+    if "mtp_ratio" in s:
+        ratios = ", ".join(f"{r['mtp']['ratio']:.2f}" for r in doc["runs"])
+        lines += [
+            "",
+            f"`--mtp auto` on the same prompts, side by side with each AR decode: median "
+            f"{s['mtp_tok_s']:.2f} tok/s, **{s['mtp_ratio']:.2f}x AR** (repeats {ratios}), "
+            f"{s['mtp_tokens_per_forward']:.2f} tokens per target forward; tokens equal to "
+            f"AR's in every repeat: {s['mtp_same_tokens']}.",
+        ]
+    check = doc.get("tokens_check")
+    if check:
+        verdict = "equal" if check["equal"] else f"first differ at token {check['first_differ']}"
+        lines += [
+            "",
+            f"Greedy tokens against the reference engine on the same Q4_0 weights "
+            f"({len(check['tokens'])} tokens after the first prompt; the reference took "
+            f"{check['seconds']:.0f} s): **{verdict}**.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -219,7 +299,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.annotate(f"{r['fraction']:.0%}", (i + 0.2, r["tok_s"]), ha="center", va="bottom")
     ax.set_xlabel("repeat (bandwidth measured just before each decode)")
     ax.set_ylabel("tok/s")
-    ax.set_title(f"Full-size E2B Q4_0, {doc['threads']} threads: decode vs roofline")
+    model = doc.get("preset", "e2b").upper()
+    ax.set_title(f"Full-size {model} Q4_0, {doc['threads']} threads: decode vs roofline")
     ax.legend(loc="lower right", fontsize=8)
     save_figure(fig, path, dpi=120)
 
@@ -232,17 +313,23 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--preset", choices=["e2b", "e4b"], default="e2b")
+    p.add_argument("--bundle", type=Path, help="measure this bundle (no build)")
+    p.add_argument("--reference", type=Path, help="Q4_0 checkpoint: tokens vs the reference")
+    p.add_argument("--check-tokens", type=int, default=32)
+    p.add_argument("--mtp", action="store_true", help="also --mtp auto, side by side")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe:
         print(read_bandwidth_gbs(args.threads))
         return
-    bundle = build(args.work)
+    bundle = args.bundle or build(args.work, args.preset)
     result = measure(bundle, args)
     doc = {
         "command": "python benchmarks/roofline_e2b.py " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "machine": machine(args.threads),
+        "preset": args.preset,
         "threads": args.threads,
         "prompt": args.prompt,
         "tokens": args.tokens,
@@ -251,7 +338,7 @@ def main() -> None:
     }
     doc["summary"] = summary(doc)
     text = report(doc)
-    write_results(args.out / "roofline_e2b", doc, text, partial(plot, doc))
+    write_results(args.out / f"roofline_{args.preset}", doc, text, partial(plot, doc))
     print(text)
 
 

@@ -401,9 +401,9 @@ def _write_bundle(
     drafter_path = None
     if req.drafter is not None:
         drafter_path, _ = _prepare(req.drafter, req.quant, "drafter", scratch, progress)
-    # Every form but ONNX's and the HTP's replaces the 4-bit linears by their codes: their
-    # float weights are never needed whole, only per linear while the signatures are taken.
-    float_4bit = req.backend == "onnx" or req.delegate == "htp"
+    # Every form but the HTP's replaces the 4-bit linears by their codes: their float weights
+    # are never needed whole (the HTP's calibrates activations on the float graph).
+    float_4bit = req.delegate == "htp"
     target: Target = load_target(target_path, float_4bit=float_4bit)
     drafter: Drafter | None = (
         load_drafter(drafter_path, target.cfg) if drafter_path is not None else None

@@ -140,9 +140,14 @@ class StoredLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None
         self.source, self.name, self.dtype = source, name, dtype
+        # What `weight` is while set: a tracer that knows weights by identity and writes the
+        # 4-bit form in their place (ONNX's) runs the model on a stand-in of its shape.
+        self.stand_in: torch.Tensor | None = None
 
     @property  # type: ignore[override]
     def weight(self) -> torch.Tensor:
+        if self.stand_in is not None:
+            return self.stand_in
         if detect_fake_mode() is not None:  # tracing shapes: nothing to read
             return torch.empty(self.out_features, self.in_features, dtype=self.dtype)
         return self.source.tensor(self.name).to(self.dtype)

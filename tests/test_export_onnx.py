@@ -61,8 +61,8 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def _load(checkpoints: Path, scheme: str, int4: bool = True):
-    target = load_target(checkpoints / scheme / "t")
+def _load(checkpoints: Path, scheme: str, int4: bool = True, float_4bit: bool = True):
+    target = load_target(checkpoints / scheme / "t", float_4bit=float_4bit)
     drafter = load_drafter(checkpoints / scheme / "a", target.cfg)
     if int4:
         attach_int4(target.model, target.source, target.names)
@@ -70,8 +70,10 @@ def _load(checkpoints: Path, scheme: str, int4: bool = True):
     return target, drafter
 
 
-def _lower(checkpoints: Path, scheme: str, out: Path, delegate: str = "cpu", **kw):
-    target, drafter = _load(checkpoints, scheme)
+def _lower(
+    checkpoints: Path, scheme: str, out: Path, delegate: str = "cpu", float_4bit=True, **kw
+):
+    target, drafter = _load(checkpoints, scheme, float_4bit=float_4bit)
     static = StaticBundle.build(target.model, drafter.model, SHAPES)
     lowered = lower_onnx(static, delegate, out, _quiet, tables=target.tables, **kw)
     return target, static, lowered
@@ -111,6 +113,18 @@ def _cache_value(runner: OnnxRunner, method: str, name: str):
     """The OrtValue `method` reads as cache input `name`."""
     assert name in runner.methods[method].spec["cache_inputs"], f"{method} does not read {name}"
     return runner.values[name]
+
+
+def test_lowered_without_float_weights_writes_the_same_files(exported, tmp_path):
+    """Loaded as exports load it (4-bit linears hold no floats: the trace runs them on zero
+    stand-ins), the model lowers to the same graphs and weights, byte for byte."""
+    _, _, lowered = _lower(
+        exported.checkpoints, exported.scheme, tmp_path, activations="fp32", float_4bit=False
+    )
+    assert lowered.files == exported.lowered.files
+    for name in lowered.files:
+        want = (exported.folder.parent / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == want, name
 
 
 @pytest.mark.parametrize("depth", [0, 2])

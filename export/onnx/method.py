@@ -18,6 +18,7 @@ than `ring - window` could overwrite sliding entries its attention still reads.
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -39,6 +40,7 @@ from edgemtp.export.onnx.int4 import (
     linear_qdq,
 )
 from edgemtp.export.onnx.trace import Mutation, Tracer, Weight
+from edgemtp.model.checkpoint import StoredLinear
 from edgemtp.model.static import StaticBundle, method_io
 
 
@@ -47,12 +49,25 @@ def _cache_names(static: StaticBundle) -> dict[int, str]:
     return {id(buf): f"cache.{name}" for name, buf in static.cache.named_buffers()}
 
 
+def zero_weight(rows: int, cols: int) -> torch.Tensor:
+    """A float32 [rows, cols] of zeros that takes no memory: untouched anonymous pages, which
+    reads map to the kernel's one zero page."""
+    return torch.frombuffer(mmap.mmap(-1, rows * cols * 4), dtype=torch.float32).view(rows, cols)
+
+
 def _weights_of(module: nn.Module, cache: dict[int, str]) -> dict[int, Weight]:
     """Every parameter and buffer of `module` but the cache's, by id, named by its qualified
-    name without the method's "owner." (the same name in every method)."""
+    name without the method's "owner." (the same name in every method). A linear whose float
+    weight is not held (`StoredLinear`) gets a zero stand-in: the graph takes its 4-bit form
+    (`int4_of`), and the values the trace computes with it are never read."""
     out = {}
     for mod_name, mod in module.named_modules():
-        for attr, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+        named = [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+        if isinstance(mod, StoredLinear):
+            if mod.stand_in is None:
+                mod.stand_in = zero_weight(mod.out_features, mod.in_features)
+            named.append(("weight", mod.stand_in))
+        for attr, t in named:
             if id(t) in cache or id(t) in out:
                 continue
             name = f"{mod_name}.{attr}" if mod_name else attr
