@@ -70,9 +70,7 @@ def _load(checkpoints: Path, scheme: str, int4: bool = True, float_4bit: bool = 
     return target, drafter
 
 
-def _lower(
-    checkpoints: Path, scheme: str, out: Path, delegate: str = "cpu", float_4bit=True, **kw
-):
+def _lower(checkpoints: Path, scheme: str, out: Path, delegate: str = "cpu", float_4bit=True, **kw):
     target, drafter = _load(checkpoints, scheme, float_4bit=float_4bit)
     static = StaticBundle.build(target.model, drafter.model, SHAPES)
     lowered = lower_onnx(static, delegate, out, _quiet, tables=target.tables, **kw)
