@@ -240,17 +240,17 @@ def to_int4_linears(model: nn.Module, make: Callable[[Int4Weight], Int4Linear]) 
             continue
         parent_path, _, leaf = path.rpartition(".")
         q = make(w)
-        spill_module(q)
         setattr(model.get_submodule(parent_path) if parent_path else model, leaf, q)
         if clustered and path == "lm_head":
             stats["head"] = f"int4 {w.scheme} rows, the kept ones gathered"
-            continue
-        stats["int4"][w.scheme] = stats["int4"].get(w.scheme, 0) + 1
-        scales = w.scales.float()
-        stats["scales"] += scales.numel()
-        stats["bf16_rounded"] += int((scales.bfloat16().float() != scales).sum())
-        if q.offset is not None:
-            stats["offset_blocks"] += int((q.offset != 0).sum())
+        else:
+            stats["int4"][w.scheme] = stats["int4"].get(w.scheme, 0) + 1
+            scales = w.scales.float()
+            stats["scales"] += scales.numel()
+            stats["bf16_rounded"] += int((scales.bfloat16().float() != scales).sum())
+            if q.offset is not None:
+                stats["offset_blocks"] += int((q.offset != 0).sum())
+        spill_module(q)  # counted first: the counts would read the spilled pages back
     return stats
 
 

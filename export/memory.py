@@ -16,6 +16,7 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,15 +137,16 @@ class Spill:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.maps: list[mmap.mmap] = []
-        self.spilled: set[int] = set()  # data pointers of the spilled tensors
+        # weakly: a tensor replaced later (a linear fused into another) takes its mapping,
+        # and its file's blocks, with it
+        self.maps: list[weakref.ref[mmap.mmap]] = []
         self.bytes = 0
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """A file-backed copy of `t` (itself when small, or already spilled)."""
+        """A file-backed copy of `t` (itself when small or a view)."""
         n = t.untyped_storage().nbytes()
         whole = t.is_contiguous() and not t.storage_offset() and t.numel() * t.element_size() == n
-        if n < self.MIN_BYTES or not whole or t.data_ptr() in self.spilled:
+        if n < self.MIN_BYTES or not whole:
             return t
         fd, path = tempfile.mkstemp(dir=self.folder, prefix=".spill-")
         try:
@@ -156,8 +158,7 @@ class Spill:
         out = torch.frombuffer(mapped, dtype=t.dtype, count=t.numel()).view(t.shape)
         out.copy_(t)
         mapped.madvise(mmap.MADV_DONTNEED)
-        self.maps.append(mapped)
-        self.spilled.add(out.data_ptr())
+        self.maps.append(weakref.ref(mapped))
         self.bytes += n
         return out
 
@@ -173,8 +174,10 @@ class Spill:
                         t.data = spilled
 
     def release(self) -> None:
-        for mapped in self.maps:
+        live = [(ref, m) for ref in self.maps if (m := ref()) is not None]
+        for _, mapped in live:
             mapped.madvise(mmap.MADV_DONTNEED)
+        self.maps = [ref for ref, _ in live]
 
 
 _spill: Spill | None = None
@@ -193,9 +196,12 @@ def spilling(folder: Path) -> Iterator[Spill]:
 
 
 def spill_module(module: torch.nn.Module) -> None:
-    """Spill `module`'s weights if an export is spilling (`spilling`); else nothing."""
+    """Spill `module`'s weights if an export is spilling (`spilling`), then release what was
+    read of the spilled ones and the heap its temporaries took: blocks under glibc's mmap
+    threshold (32 MiB), freed one linear after another, otherwise stay resident."""
     if _spill is not None:
         _spill.module(module)
+        release_spilled()
 
 
 def spill_data(data: Any) -> Any:
