@@ -34,9 +34,11 @@ from edgemtp.model.primitives import Primitives, Segments, rope_cos_sin
 def int4_weight(codes: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     """(codes - zeros) * scales per group along the input dim, in the scales' dtype (fp16: the
     exact small integer times the fp16 scale, rounded once, as Core ML's constexpr computes)."""
-    group = codes.shape[1] // scales.shape[1]
-    q = codes.to(torch.int16) - zeros.to(torch.int16).repeat_interleave(group, 1)
-    return q.to(scales.dtype) * scales.repeat_interleave(group, 1)
+    rows, cols = codes.shape
+    # one weight-sized buffer, in place: a 262144-row head's temporaries were GiBs
+    w = codes.view(rows, scales.shape[1], -1).to(scales.dtype)
+    w.sub_(zeros.to(scales.dtype)[..., None]).mul_(scales[..., None])
+    return w.view(rows, cols)
 
 
 @int4_weight.register_fake
@@ -56,9 +58,12 @@ class ConstexprInt4Linear(nn.Module):
         self.register_buffer("int4_scales", scales, persistent=False)
         self.register_buffer("int4_zeros", zeros, persistent=False)
 
-    @property
-    def weight(self) -> Tensor:
-        return int4_weight(self.int4_codes, self.int4_scales, self.int4_zeros)
+    def __getattr__(self, name: str) -> Any:
+        # `weight` is computed on each use, and not a property: TorchScript's tracer reads
+        # every attribute `dir` lists, which would dequantize every linear once more
+        if name == "weight":
+            return int4_weight(self.int4_codes, self.int4_scales, self.int4_zeros)
+        return super().__getattr__(name)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)
