@@ -36,7 +36,7 @@ from edgemtp.export.executorch_program import (
 from edgemtp.export.forms import COREML_DELEGATE, QNN, form_for
 from edgemtp.export.int4 import CLUSTERED_HEAD
 from edgemtp.export.lowered import Lowered, Progress
-from edgemtp.export.memory import release_spilled
+from edgemtp.export.memory import release_spilled, releasing_spilled
 from edgemtp.model.static import StaticBundle, method_io
 from edgemtp.runtime.kernels.ops import KERNEL_MAX_ROWS
 from edgemtp.runtime.runners.executorch import program_kernels
@@ -201,11 +201,12 @@ def _lower_xnnpack(
     summary = delegation_summary(edge, exempt=(CLUSTERED_HEAD,))
     full = {k: v for p in partitioners for k, v in p.full_pipeline.items()}
     t = time.perf_counter()
-    manager = edge.to_executorch(backend_config())
-    for name, kinds in program_operator_kinds(manager.executorch_program).items():
-        summary[name]["runtime_ops"] = sum(kinds.values())
-        summary[name]["runtime_op_kinds"] = kinds
-    size = write_program(manager, out_dir / PROGRAM)
+    with releasing_spilled():  # the emitter copies every constant: their pages, read once
+        manager = edge.to_executorch(backend_config())
+        for name, kinds in program_operator_kinds(manager.executorch_program).items():
+            summary[name]["runtime_ops"] = sum(kinds.values())
+            summary[name]["runtime_op_kinds"] = kinds
+        size = write_program(manager, out_dir / PROGRAM)
     progress(f"emit {PROGRAM}: {size / 2**20:.1f} MiB ({time.perf_counter() - t:.1f}s)")
     delegates = sum(m["delegates"] for m in summary.values())
     portable = sum(m["portable_nodes"] for m in summary.values())

@@ -225,6 +225,31 @@ def release_spilled() -> None:
     release_freed_memory()
 
 
+@contextlib.contextmanager
+def releasing_spilled(interval: float = 0.5) -> Iterator[None]:
+    """`release_spilled` every `interval` seconds from a thread while the block runs: for a
+    library call that reads every spilled weight once (ExecuTorch's emitter copies each
+    constant into the program), whose read pages would otherwise all stay resident. Safe
+    beside readers: the mappings are shared file mappings, a dropped page is read again."""
+    if _spill is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(interval):
+            _spill.release()  # type: ignore[union-attr]
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        release_spilled()
+
+
 def check_estimate(limit: int | None, estimate: int | None) -> None:
     """Refuse before any work when the estimate is over `limit`."""
     if limit is not None and estimate is not None and estimate > limit:
