@@ -44,10 +44,10 @@ class PeakModel:
 
 
 # Fitted to the peaks of two measured exports (benchmarks/README.md, "Exporting in bounded
-# memory"): the full-size E2B preset with its assistant, 2357 M linear weights, 8.02 GiB, and
-# PEER-90M, 64 M, 1.64 GiB. Forms not measured have none.
+# memory"): the full-size E2B preset with its assistant, 2357 M linear weights, 3.15 GiB, and
+# PEER-90M, 64 M, 1.06 GiB. Forms not measured have none.
 PEAK_MODELS: dict[tuple[str, str], PeakModel] = {
-    ("executorch", "cpu"): PeakModel(base=1.46 * GIB, per_element=2.99),
+    ("executorch", "cpu"): PeakModel(base=1.00 * GIB, per_element=0.98),
 }
 
 
