@@ -22,7 +22,7 @@ INT8_ACCURACY_LEVEL = 4  # MatMulNBits: activations quantized to int8 (ONNX Runt
 
 # The 4-bit tensors of each weight by (id(Int4Weight), "nbits" or "qdq"): computed once per
 # lowering and shared by its methods.
-Packs = dict[tuple[int, str], dict[str, Any]]
+Packs = dict[tuple[str, str], dict[str, Any]]
 # A delegate's linear: (graph, packs, x, weight name, 4-bit weight) -> the name of x @ W^T.
 LinearForm = Callable[[Graph, Packs, str, str, Int4Weight], str]
 
@@ -77,9 +77,10 @@ def qdq_weight_tensors(w: Int4Weight) -> dict[str, np.ndarray | Packed]:
     return out
 
 
-def _packed(packs: Packs, q: Int4Weight, form: str) -> dict[str, Any]:
-    """The 4-bit tensors of `q` in `form`, computed once per lowering (not once per method)."""
-    key = (id(q), form)
+def _packed(packs: Packs, name: str, q: Int4Weight, form: str) -> dict[str, Any]:
+    """The 4-bit tensors of weight `name` (stored as `q`) in `form`, computed once per lowering
+    (not once per method). By name: `q` is unpacked afresh at each use (`int4_of`)."""
+    key = (name, form)
     if key not in packs:
         packs[key] = nbits_tensors(q) if form == "nbits" else qdq_weight_tensors(q)
     return packs[key]
@@ -87,7 +88,7 @@ def _packed(packs: Packs, q: Int4Weight, form: str) -> dict[str, Any]:
 
 def _nbits_inits(g: Graph, packs: Packs, name: str, q: Int4Weight) -> dict[str, str]:
     names = {}
-    for key, value in _packed(packs, q, "nbits").items():
+    for key, value in _packed(packs, name, q, "nbits").items():
         init = f"{name}.{key}"
         if init not in g.tensors:
             g.tensor(init, value)
@@ -125,7 +126,7 @@ def linear_nbits(
 def linear_qdq(g: Graph, packs: Packs, x: str, name: str, q: Int4Weight) -> str:
     """x [M, K] @ DequantizeLinear(int4 W^T, block) (the QNN EP's block-quantized MatMul)."""
     _check_group(q, name)
-    tensors = _packed(packs, q, "qdq")
+    tensors = _packed(packs, name, q, "qdq")
     inputs = []
     for key in ("codes", "scales", "zero_points"):
         if key in tensors:

@@ -50,9 +50,11 @@ def _cache_names(static: StaticBundle) -> dict[int, str]:
 
 
 def zero_weight(rows: int, cols: int) -> torch.Tensor:
-    """A float32 [rows, cols] of zeros that takes no memory: untouched anonymous pages, which
-    reads map to the kernel's one zero page."""
-    return torch.frombuffer(mmap.mmap(-1, rows * cols * 4), dtype=torch.float32).view(rows, cols)
+    """A float32 [rows, cols] of zeros that takes no memory: untouched private anonymous pages,
+    which reads map to the kernel's one zero page (shared ones would each get a page)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    pages = mmap.mmap(-1, rows * cols * 4, flags=flags)
+    return torch.frombuffer(pages, dtype=torch.float32).view(rows, cols)
 
 
 def _weights_of(module: nn.Module, cache: dict[int, str]) -> dict[int, Weight]:
