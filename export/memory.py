@@ -1,5 +1,6 @@
-"""An export's memory: the peak it expects before it starts, and the guard that stops it with one
-clear line (nothing written) before the operating system would kill it.
+"""An export's memory: the peak it expects before it starts, the guard that stops it with one
+clear line (nothing written) before the operating system would kill it, and the spill that keeps
+weight forms in files, not in anonymous memory, while a program is lowered.
 
 The estimate counts what scales with the model: the elements of its linears, the weights every
 program holds in 4 bits (`linear_elements`), priced per element by what an export of that
