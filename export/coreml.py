@@ -28,6 +28,8 @@ function, and the compute units' accumulation precision can only be checked on A
 from __future__ import annotations
 
 import contextlib
+import gc
+import hashlib
 import io
 import json
 import logging
@@ -44,17 +46,19 @@ import torch
 from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.coreml_forms import ConstexprInt4Linear
+from edgemtp.export.coreml_forms import ConstexprInt4Linear, tracing_shapes_only
 from edgemtp.export.forms import COREML, COREML_FP16
 from edgemtp.export.lowered import Lowered, Progress
+from edgemtp.export.memory import releasing_spilled
 from edgemtp.export.weights import int4_of
 from edgemtp.model.static import StaticBundle, method_io
 from edgemtp.runtime.capabilities import coreml_compute_units
 from edgemtp.runtime.runners.coreml import (
-    SPEC_VERSION_IOS18,
+    BLOB_KINDS,
     HostPositions,
     package_weights,
     validate_mlpackage,
+    weight_file,
 )
 
 PACKAGE = "model.mlpackage"
@@ -102,10 +106,12 @@ def _register_converters() -> None:
         c, s, z = codes.val, scales.val, zeros.val
         if c is None or s is None or z is None:
             raise EdgeMTPError(f"int4 weight {node.name}: codes and scales must be constants")
-        if (z == 8).all():  # symmetric: signed codes, no offset
-            data, offset = (c.astype(np.int8) - 8).astype(mil_types.np_int4_dtype), None
+        # the codes as the form stores them (int8), viewed, not copied: a copy would hold
+        # every weight of the function once more until it is written
+        if not z.any() and c.min() >= -8 and c.max() <= 7:  # symmetric: int4, no offset
+            data, offset = c.view(mil_types.np_int4_dtype), None
         else:
-            data, offset = c.astype(mil_types.np_uint4_dtype), z.astype(mil_types.np_uint4_dtype)
+            data, offset = c.view(mil_types.np_uint4_dtype), z.astype(mil_types.np_uint4_dtype)
         out = mb.constexpr_blockwise_shift_scale(
             data=data, scale=s.astype(np.float32), offset=offset, name=_int4_name(codes.name)
         )
@@ -213,7 +219,8 @@ def convert_function(
     cache = static.cache
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # jit.trace's deprecation and tracer warnings
-        traced = torch.jit.trace(module, inputs, check_trace=False)
+        with tracing_shapes_only():
+            traced = torch.jit.trace(module, inputs, check_trace=False)
     ct_inputs = [
         ct.TensorType(
             name=n, shape=x.shape, dtype=np.float32 if x.dtype.is_floating_point else np.int32
@@ -267,49 +274,78 @@ def canonicalize(package: Path) -> None:
     spec_path.write_bytes(spec.SerializeToString(deterministic=True))
 
 
-def save_multifunction(models: dict[str, Any], package: Path) -> None:
-    """One multifunction package from single-function models (in this order; the first
-    `verify_0`, else the first, is the default), weights de-duplicated across functions.
+def _blob_values(ops: Any) -> Iterator[Any]:
+    """Every value of `ops` (and their nested blocks) stored in the blob file."""
+    for op in ops:
+        values = [*op.attributes.values()]
+        values += [a.value for arg in op.inputs.values() for a in arg.arguments]
+        yield from (v for v in values if v.HasField("blobFileValue"))
+        for block in op.blocks:
+            yield from _blob_values(block.operations)
 
-    What `ct.utils.save_multifunction` does, without its detour: it saves every function,
-    loads them back, and runs the whole default pass pipeline's validation over the merged
-    program; the functions here are converted and optimised already, so the merged program
-    goes straight to the backend."""
-    import coremltools as ct
-    from coremltools.converters.mil.converter import mil_convert
-    from coremltools.converters.mil.mil import Program
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
-    from coremltools.proto import Model_pb2
 
-    program = Program()
-    functions = []
-    for name, model in models.items():
-        program.add_function(name, model._mil_program.functions["main"])
-        d = model.get_spec().description
-        functions.append(
+class FunctionMerger:
+    """One multifunction package, written as single-function packages come (the first
+    `verify_0`, else the first added, is the default function): each function's program as
+    converted, each weight blob written once for all the functions that store the same bytes.
+
+    coremltools' own merge (`ct.utils.save_multifunction`) holds every function's weights at
+    once; this one reads a blob at a time, through a reader opened for it (a reader maps its
+    whole file: kept open, what it read would stay resident)."""
+
+    def __init__(self, package: Path):
+        from coremltools.libmilstoragepython import _BlobStorageWriter
+        from coremltools.proto import Model_pb2
+
+        if package.exists():
+            shutil.rmtree(package)
+        self.package = package
+        weight_file(package).parent.mkdir(parents=True)
+        self.writer = _BlobStorageWriter(str(weight_file(package)))
+        self.written: dict[tuple[str, bytes], int] = {}
+        self.spec = Model_pb2.Model()
+        self.manifest = b""
+
+    def add(self, name: str, part: Path) -> None:
+        import coremltools as ct
+        from coremltools.libmilstoragepython import _BlobStorageReader
+        from coremltools.proto import Model_pb2
+
+        spec = ct.utils.load_spec(str(part))
+        fn = spec.mlProgram.functions["main"]
+        for value in _blob_values(fn.block_specializations[fn.opset].operations):
+            kind = BLOB_KINDS[value.type.tensorType.dataType]
+            reader = _BlobStorageReader(str(weight_file(part)))
+            data = getattr(reader, f"read_{kind}_data")(value.blobFileValue.offset)
+            del reader
+            key = (kind, hashlib.sha256(np.ascontiguousarray(data)).digest())
+            if key not in self.written:
+                self.written[key] = getattr(self.writer, f"write_{kind}_data")(data)
+            value.blobFileValue.offset = self.written[key]
+            del data
+        if not self.spec.HasField("mlProgram"):
+            self.spec.CopyFrom(spec)
+            self.spec.mlProgram.ClearField("functions")
+            # the functions' descriptions replace the model's; no conversion date (the bytes
+            # are a function of the content) nor per-function build info
+            for field in ("input", "output", "state", "metadata"):
+                self.spec.description.ClearField(field)
+            self.spec.mlProgram.ClearField("attributes")
+            self.manifest = (part / "Manifest.json").read_bytes()
+        self.spec.mlProgram.functions[name].CopyFrom(fn)
+        d = spec.description
+        self.spec.description.functions.append(
             Model_pb2.FunctionDescription(name=name, input=d.input, output=d.output, state=d.state)
         )
-    PASS_REGISTRY["common::const_deduplication"]._deduplicate_const_across_functions(program)
-    default = "verify_0" if "verify_0" in models else next(iter(models))
-    program.default_function_name = default
-    program.export_as_multifunction = True
-    with _converting() as validate:
-        merged = mil_convert(
-            program,
-            convert_from="milinternal",
-            convert_to="mlprogram",
-            compute_units=ct.ComputeUnit.CPU_ONLY,
-            specification_version=SPEC_VERSION_IOS18,
-            model_description=Model_pb2.ModelDescription(
-                functions=functions, defaultFunctionName=default
-            ),
-            skip_model_load=True,
-            pass_pipeline=ct.PassPipeline.EMPTY,
-        )
-    validate(program)
-    if package.exists():
-        shutil.rmtree(package)
-    merged.save(str(package))
+
+    def finish(self) -> None:
+        del self.writer  # closes the blob file
+        names = [f.name for f in self.spec.description.functions]
+        default = "verify_0" if "verify_0" in names else names[0]
+        self.spec.description.defaultFunctionName = default
+        spec = self.spec.SerializeToString(deterministic=True)
+        (weight_file(self.package).parent.parent / "model.mlmodel").write_bytes(spec)
+        (self.package / "Manifest.json").write_bytes(self.manifest)
 
 
 def lower_coreml(
@@ -329,15 +365,25 @@ def lower_coreml(
     schemes = int4_schemes(static)
     n_int4 = static.use_form(COREML)["int4"]
     signatures = declared_io(static)
-    models: dict[str, Any] = {}
+    # each function merged as converted and dropped: one function's weights held at a time
+    merger = FunctionMerger(package)
+    converted = []
     for name, (module, inputs) in static.methods().items():
         if only is not None and name not in only:
             continue
         t0 = time.perf_counter()
-        models[name] = convert_function(name, module, inputs, static)
+        # coremltools reads the spilled codes a few times over: their pages dropped as it
+        # goes, they would all stay resident
+        with releasing_spilled():
+            model = convert_function(name, module, inputs, static)
+            merger.add(name, Path(model.package_path))
+            shutil.rmtree(model.package_path)  # coremltools removes its own only at exit
+            del model
+            gc.collect()
+        converted.append(name)
         progress(f"convert {name} ({time.perf_counter() - t0:.1f} s)")
     t0 = time.perf_counter()
-    save_multifunction(models, package)
+    merger.finish()
     canonicalize(package)
     progress(f"save {PACKAGE} ({time.perf_counter() - t0:.1f} s)")
     report = validate_mlpackage(package)
@@ -356,7 +402,7 @@ def lower_coreml(
                 "accumulation precision are unchecked on this host"
             ),
         },
-        method_io={name: signatures[name] for name in models},
+        method_io={name: signatures[name] for name in converted},
     )
 
 

@@ -19,6 +19,8 @@ all-fp16 program (ANE-friendly):
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,15 +28,34 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.export.weights import int4_of
+from edgemtp.export.memory import spill_module, zero_weight
+from edgemtp.export.weights import ZERO_SYMMETRIC, int4_of
 from edgemtp.model.primitives import Primitives, Segments, rope_cos_sin
+
+_TRACING_SHAPES_ONLY = False
+
+
+@contextlib.contextmanager
+def tracing_shapes_only() -> Iterator[None]:
+    """While a method is traced for conversion, `int4_weight` returns a stand-in of zeros that
+    takes no memory, not the weight: the trace records the op, not its values, and each
+    dequantized weight (4 bytes a weight, floats nobody reads) left the heap fragmented."""
+    global _TRACING_SHAPES_ONLY
+    previous, _TRACING_SHAPES_ONLY = _TRACING_SHAPES_ONLY, True
+    try:
+        yield
+    finally:
+        _TRACING_SHAPES_ONLY = previous
 
 
 @torch.library.custom_op("edgemtp::int4_weight", mutates_args=())
 def int4_weight(codes: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     """(codes - zeros) * scales per group along the input dim, in the scales' dtype (fp16: the
-    exact small integer times the fp16 scale, rounded once, as Core ML's constexpr computes)."""
+    exact small integer times the fp16 scale, rounded once, as Core ML's constexpr computes).
+    codes int8: -8..7 with zeros 0 (symmetric schemes), else 0..15."""
     rows, cols = codes.shape
+    if _TRACING_SHAPES_ONLY:
+        return zero_weight(rows, cols, scales.dtype)
     # one weight-sized buffer, in place: a 262144-row head's temporaries were GiBs
     w = codes.view(rows, scales.shape[1], -1).to(scales.dtype)
     w.sub_(zeros.to(scales.dtype)[..., None]).mul_(scales[..., None])
@@ -49,10 +70,15 @@ def _int4_weight_fake(codes: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
 class ConstexprInt4Linear(nn.Module):
     """A linear whose weight is `int4_weight` over its stored codes: every use of the weight
     (the matmul, and the clustered head's gather of LM-head rows) goes through the op, so the
-    converter sees codes and scales, never float weights."""
+    converter sees codes and scales, never float weights.
+
+    The codes are int8 in the exact form the package stores them (signed for a symmetric
+    scheme): coremltools' TorchScript frontend widens every uint8 constant to int32, and any
+    other form would be a second copy of the codes while converting."""
 
     def __init__(self, codes: Tensor, scales: Tensor, zeros: Tensor):
         super().__init__()
+        assert codes.dtype == torch.int8
         self.out_features, self.in_features = codes.shape
         self.register_buffer("int4_codes", codes, persistent=False)
         self.register_buffer("int4_scales", scales, persistent=False)
@@ -88,9 +114,16 @@ def coreml_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
                 "a 4-bit group scale is not representable in fp16 (Core ML's scale dtype); "
                 "export with --backend executorch or onnx"
             )
+        # in place, on the codes just unpacked for this form (a head's copies were GiBs)
+        codes, zeros = w.codes.view(torch.int8), w.zeros.to(torch.int8)
+        if w.symmetric:
+            codes.sub_(ZERO_SYMMETRIC)
+            zeros.zero_()
+        del w
         parent, _, leaf = path.rpartition(".")
-        linear = ConstexprInt4Linear(w.codes, scales.to(dtype), w.zeros)
+        linear = ConstexprInt4Linear(codes, scales.to(dtype), zeros)
         setattr(model.get_submodule(parent) if parent else model, leaf, linear)
+        spill_module(linear)  # while an export is spilling: the codes in a file
         count += 1
     for p in model.parameters():
         if p.dtype.is_floating_point and p.dtype != dtype:

@@ -181,6 +181,15 @@ class Spill:
         self.maps = [ref for ref, _ in live]
 
 
+def zero_weight(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A [rows, cols] tensor of zeros that takes no memory: untouched private anonymous pages,
+    which reads map to the kernel's one zero page (shared ones would each get a page). A
+    stand-in for a weight while a program is traced: the values it computes are never read."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    pages = mmap.mmap(-1, rows * cols * dtype.itemsize, flags=flags)
+    return torch.frombuffer(pages, dtype=dtype).view(rows, cols)
+
+
 _spill: Spill | None = None
 
 

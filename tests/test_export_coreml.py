@@ -466,3 +466,69 @@ def test_asymmetric_w4a16_read_back_exactly(paths, w4a16_pkgs):
     assert "uint4" in lowered.details["package"]["weight_blobs"]
     for dtype in (torch.float32, torch.float16):
         _check_numerics(paths["w4a16"], a / coreml.PACKAGE, 0, dtype)
+
+
+def test_merged_package_equals_coremltools_merge(paths, tmp_path):
+    """`FunctionMerger` (a blob at a time) against coremltools' own `save_multifunction` (every
+    function's weights held at once) over the same single-function packages: the same
+    functions, descriptions, ops, and every stored tensor equal, in no more bytes."""
+    import coremltools as ct
+    from coremltools.libmilstoragepython import _BlobStorageReader
+
+    from edgemtp.runtime.runners.coreml import read_blob, weight_file
+
+    target, drafter = _load(paths["q4_0"])
+    static = StaticBundle.build(target.model, drafter.model, SHAPES)
+    coreml._register_converters()
+    parts = {}
+    with torch.no_grad():
+        static.use_form(COREML)
+        for name in ("prefill_intermediate", "draft_step"):
+            module, inputs = static.methods()[name]
+            parts[name] = tmp_path / f"{name}.mlpackage"
+            coreml.convert_function(name, module, inputs, static).save(str(parts[name]))
+    merger = coreml.FunctionMerger(tmp_path / "ours.mlpackage")
+    for name, part in parts.items():
+        merger.add(name, part)
+    merger.finish()
+    descriptor = ct.utils.MultiFunctionDescriptor()
+    for name, part in parts.items():
+        descriptor.add_function(str(part), "main", name)
+    descriptor.default_function_name = "prefill_intermediate"
+    with coreml._quiet():
+        ct.utils.save_multifunction(descriptor, str(tmp_path / "theirs.mlpackage"))
+
+    def program(package):
+        spec = ct.utils.load_spec(str(package))
+        reader = _BlobStorageReader(str(weight_file(package)))
+        functions = {}
+        for fd in spec.description.functions:
+            fn = spec.mlProgram.functions[fd.name]
+            ops = [
+                (op.type, [o.name for o in op.outputs], coreml._blob_values([op]))
+                for op in fn.block_specializations[fn.opset].operations
+            ]
+            functions[fd.name] = (
+                fd,
+                [(t, n, [read_blob(reader, v) for v in vs]) for t, n, vs in ops],
+            )
+        return spec.description.defaultFunctionName, functions
+
+    ours, theirs = program(tmp_path / "ours.mlpackage"), program(tmp_path / "theirs.mlpackage")
+    assert ours[0] == theirs[0] == "prefill_intermediate"
+    assert list(ours[1]) == list(theirs[1]) == list(parts)
+    blobs = 0
+    for name in parts:
+        (fd_a, ops_a), (fd_b, ops_b) = ours[1][name], theirs[1][name]
+        assert fd_a == fd_b
+        for (type_a, names_a, values_a), (type_b, names_b, values_b) in zip(
+            ops_a, ops_b, strict=True
+        ):
+            assert (type_a, names_a) == (type_b, names_b)
+            for a, b in zip(values_a, values_b, strict=True):
+                assert a.dtype == b.dtype
+                np.testing.assert_array_equal(a, b)
+                blobs += 1
+    assert blobs > 20
+    size = weight_file(tmp_path / "ours.mlpackage").stat().st_size
+    assert size <= weight_file(tmp_path / "theirs.mlpackage").stat().st_size

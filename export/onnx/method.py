@@ -18,7 +18,6 @@ than `ring - window` could overwrite sliding entries its attention still reads.
 
 from __future__ import annotations
 
-import mmap
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ import torch
 from onnx import TensorProto
 from torch import nn
 
+from edgemtp.export.memory import zero_weight
 from edgemtp.export.onnx.graph import ONNX_TYPE, Graph
 from edgemtp.export.onnx.int4 import (
     INT8_ACCURACY_LEVEL,
@@ -47,14 +47,6 @@ from edgemtp.model.static import StaticBundle, method_io
 def _cache_names(static: StaticBundle) -> dict[int, str]:
     """Buffer id -> graph input name, for every buffer of the shared cache."""
     return {id(buf): f"cache.{name}" for name, buf in static.cache.named_buffers()}
-
-
-def zero_weight(rows: int, cols: int) -> torch.Tensor:
-    """A float32 [rows, cols] of zeros that takes no memory: untouched private anonymous pages,
-    which reads map to the kernel's one zero page (shared ones would each get a page)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    pages = mmap.mmap(-1, rows * cols * 4, flags=flags)
-    return torch.frombuffer(pages, dtype=torch.float32).view(rows, cols)
 
 
 def _weights_of(module: nn.Module, cache: dict[int, str]) -> dict[int, Weight]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import platform
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,9 @@ def require_macos15() -> None:
         raise EdgeMTPError(f"{missing}: run it on a Mac, or export --backend executorch/onnx")
 
 
-def _weights_dir(package: Path) -> Path:
-    return Path(package) / "Data" / "com.apple.CoreML" / "weights"
+def weight_file(package: Path) -> Path:
+    """A package's blob file: every weight its functions store."""
+    return Path(package) / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
 
 
 def _name(op: Any) -> str:
@@ -129,18 +131,19 @@ def _functions(spec: Any) -> dict[str, Any]:
     return out
 
 
-def _read_blob(reader: Any, value: Any) -> np.ndarray:
-    """One tensor stored in weight.bin, in its stored dtype (int4/uint4 as int8/uint8)."""
+# proto data type -> the blob file's read_/write_ method suffix
+BLOB_KINDS = {10: "fp16", 11: "float", 21: "int8", 22: "int16", 23: "int32", 25: "int4"}
+BLOB_KINDS |= {31: "uint8", 32: "uint16", 33: "uint32", 35: "uint4", 36: "uint2", 37: "uint1"}
+BLOB_KINDS |= {38: "uint6", 39: "uint3"}
+
+
+def read_blob(reader: Any, value: Any) -> np.ndarray:
+    """One tensor stored in weight.bin, in its stored dtype (sub-byte integers one a byte)."""
     t = value.type.tensorType
     shape = [d.constant.size for d in t.dimensions]
-    offset = value.blobFileValue.offset
-    read = {
-        10: lambda: reader.read_fp16_data(offset).view(np.float16),
-        11: lambda: reader.read_float_data(offset),
-        25: lambda: reader.read_int4_data(offset).astype(np.int8),
-        35: lambda: reader.read_uint4_data(offset).astype(np.uint8),
-    }[t.dataType]
-    return np.asarray(read()).reshape(shape)
+    kind = BLOB_KINDS[t.dataType]
+    data = getattr(reader, f"read_{kind}_data")(value.blobFileValue.offset)
+    return np.asarray(data.view(np.float16) if kind == "fp16" else data).reshape(shape)
 
 
 def package_weights(package: Path) -> dict[str, dict[str, np.ndarray | None]]:
@@ -148,28 +151,37 @@ def package_weights(package: Path) -> dict[str, dict[str, np.ndarray | None]]:
     (`target_layers_0_self_attn_q_proj`): int4 ones as {"data": codes (int8 for int4, uint8 for
     uint4), "scale": fp16, "offset": uint8 or None}, fp16 ones as {"value": fp16}. Read from
     the serialized program and blob file, whatever function holds them (each blob is shared)."""
+    return dict(iter_package_weights(package))
+
+
+def iter_package_weights(package: Path) -> Iterator[tuple[str, dict[str, np.ndarray | None]]]:
+    """`package_weights` one linear at a time (each once), for packages too big to hold read."""
     import coremltools as ct
     from coremltools.libmilstoragepython import _BlobStorageReader
 
     spec = ct.utils.load_spec(str(package))
-    reader = _BlobStorageReader(str(_weights_dir(package) / "weight.bin"))
-    out: dict[str, dict[str, np.ndarray | None]] = {}
+    reader = _BlobStorageReader(str(weight_file(package)))
+    seen = set()
     for ops in _functions(spec).values():
         for op in ops:
             name = _strip(_name(op))
-            if op.type == INT4_OP:
+            if op.type == INT4_OP and (key := name.removesuffix("_int4")) not in seen:
                 args = {k: v.arguments[0].value for k, v in op.inputs.items()}
-                out[name.removesuffix("_int4")] = {
-                    "data": _read_blob(reader, args["data"]),
-                    "scale": _read_blob(reader, args["scale"]),
-                    "offset": _read_blob(reader, args["offset"]) if "offset" in args else None,
-                }
+                seen.add(key)
+                yield (
+                    key,
+                    {
+                        "data": read_blob(reader, args["data"]),
+                        "scale": read_blob(reader, args["scale"]),
+                        "offset": read_blob(reader, args["offset"]) if "offset" in args else None,
+                    },
+                )
             elif op.type == "const" and name.startswith("owner_") and name.endswith("_weight"):
                 value = op.attributes["val"]
-                if value.HasField("blobFileValue"):
-                    key = name.removeprefix("owner_").removesuffix("_weight")
-                    out[key] = {"value": _read_blob(reader, value)}
-    return out
+                key = name.removeprefix("owner_").removesuffix("_weight")
+                if value.HasField("blobFileValue") and key not in seen:
+                    seen.add(key)
+                    yield key, {"value": read_blob(reader, value)}
 
 
 def dequantize(entry: dict[str, np.ndarray | None]) -> np.ndarray:
@@ -236,7 +248,7 @@ def validate_mlpackage(package: Path) -> dict[str, Any]:
             "dtypes": {k: sorted(v) for k, v in sorted(dtypes.items())},
         }
     states = {json.dumps(f["states"], sort_keys=True) for f in functions.values()}
-    weight_bin = _weights_dir(package) / "weight.bin"
+    weight_bin = weight_file(package)
     return {
         "specification_version": spec.specificationVersion,
         "opset": sorted({fn.opset for fn in spec.mlProgram.functions.values()}),
