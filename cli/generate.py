@@ -11,6 +11,7 @@ from pathlib import Path
 
 from edgemtp.cli.common import bundle_threads, check_positive, default_threads
 from edgemtp.errors import EdgeMTPError
+from edgemtp.model.config import KV_CACHE_KINDS
 
 
 def _ids(text: str) -> list[int]:
@@ -73,6 +74,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512, help="rows per prefill (--model)")
     p.add_argument("--max-context", type=int, help="reference cache size (--model; default 4096)")
     p.add_argument(
+        "--kv-cache",
+        choices=KV_CACHE_KINDS,
+        help="the reference cache's dtype (--model; default fp32); int8: one scale per token "
+        "and KV head, for K and V",
+    )
+    p.add_argument(
         "--max-draft", type=int, default=4, help="deepest draft for --mtp auto (--model)"
     )
     p.add_argument("--chat", action="store_true", help="apply Gemma's chat turn format")
@@ -101,7 +108,12 @@ def _open_session(args: argparse.Namespace):
             print(f"-- {msg}", file=sys.stderr, flush=True)
 
     if args.bundle is not None:
-        for flag, given in (("--drafter", args.drafter), ("--max-context", args.max_context)):
+        given_flags = (
+            ("--drafter", args.drafter),
+            ("--max-context", args.max_context),
+            ("--kv-cache", args.kv_cache),
+        )
+        for flag, given in given_flags:
             if given:
                 raise EdgeMTPError(f"{flag} is for --model; a bundle carries its own")
         if args.no_prune:
@@ -126,6 +138,7 @@ def _open_session(args: argparse.Namespace):
         max_draft=max(args.max_draft, args.mtp if isinstance(args.mtp, int) else 0),
         prefill_chunk=args.prefill_chunk,
         prune=not args.no_prune,
+        kv_cache=args.kv_cache,
     )
 
 

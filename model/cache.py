@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.config import AttentionKind, TextConfig
+from edgemtp.model.config import KV_CACHE_KINDS, AttentionKind, TextConfig
 from edgemtp.model.primitives import KV, Primitives
 
 
@@ -75,8 +75,24 @@ class RingTracker:
         return keeps
 
 
+KV_CACHE_DTYPES = dict(zip(KV_CACHE_KINDS, (torch.float32, torch.float16, torch.int8), strict=True))
+
+
+def quantize_kv(x: Tensor) -> tuple[Tensor, Tensor]:
+    """K or V rows [heads, rows, head_dim] as an int8 cache stores them: symmetric, one float32
+    scale per head and row, scale = max|x| / 127, codes round-half-even(x / scale); an all-zero
+    row gets scale 0 and codes 0."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    return torch.round(x * inverse).clamp(-127, 127).to(torch.int8), scale
+
+
 class KVCache:
-    """The reference engine's cache: host tensors, written by `write` after each forward."""
+    """The reference engine's cache: host tensors, written by `write` after each forward.
+
+    dtype int8: K and V as `quantize_kv` stores them, read back as codes * scale (a forward's
+    own new rows are attended in float before they are written, as every backend does)."""
 
     def __init__(
         self,
@@ -88,13 +104,20 @@ class KVCache:
         self.cfg = cfg
         self.max_context = max_context
         self.slots = cache_slots(cfg, max_context, max_draft)
+        self.quantized = dtype == torch.int8
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
+        self.k_scale: dict[int, Tensor] = {}  # int8 only: [heads, slots, 1] float32
+        self.v_scale: dict[int, Tensor] = {}
         for spec in cfg.layers:
             if spec.owns_kv:
                 shape = (spec.num_kv_heads, self.slots[spec.attention], spec.head_dim)
                 self.k[spec.index] = torch.zeros(shape, dtype=dtype)
                 self.v[spec.index] = torch.zeros(shape, dtype=dtype)
+                if self.quantized:
+                    scales = (*shape[:2], 1)
+                    self.k_scale[spec.index] = torch.zeros(scales)
+                    self.v_scale[spec.index] = torch.zeros(scales)
         self.slot_positions = {
             kind: torch.full((n,), -1, dtype=torch.long) for kind, n in self.slots.items()
         }
@@ -106,6 +129,10 @@ class KVCache:
 
     def kv(self, layer: int) -> KV:
         n = self._used(self.cfg.layers[layer].attention)
+        if self.quantized:
+            k = self.k[layer][:, :n].float() * self.k_scale[layer][:, :n]
+            v = self.v[layer][:, :n].float() * self.v_scale[layer][:, :n]
+            return (k,), (v,)
         return (self.k[layer][:, :n],), (self.v[layer][:, :n],)
 
     def positions(self, kind: AttentionKind) -> Tensor:
@@ -131,8 +158,12 @@ class KVCache:
             size = self.slots[self.cfg.layers[layer].attention]
             keep = min(n, size)
             slots = torch.arange(start + n - keep, start + n) % size
-            self.k[layer][:, slots] = k[:, n - keep :].to(self.k[layer].dtype)
-            self.v[layer][:, slots] = v[:, n - keep :].to(self.v[layer].dtype)
+            k, v = k[:, n - keep :], v[:, n - keep :]
+            if self.quantized:
+                k, self.k_scale[layer][:, slots] = quantize_kv(k)
+                v, self.v_scale[layer][:, slots] = quantize_kv(v)
+            self.k[layer][:, slots] = k.to(self.k[layer].dtype)
+            self.v[layer][:, slots] = v.to(self.v[layer].dtype)
         self.length = start + n
 
     def truncate(self, length: int) -> None:
@@ -143,12 +174,15 @@ class KVCache:
             pos[pos >= length] = -1
         self.length = length
 
+    def _tensors(self) -> list[Tensor]:
+        return [*self.k.values(), *self.v.values(), *self.k_scale.values(), *self.v_scale.values()]
+
     def row_bytes(self) -> int:
-        """Bytes one position's K/V takes over every layer that owns a cache."""
-        return sum((self.k[i][:, 0].nbytes + self.v[i][:, 0].nbytes) for i in self.k)
+        """Bytes one position's K/V (and their scales) takes over every layer that owns a cache."""
+        return sum(t[:, 0].nbytes for t in self._tensors())
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
 # --- the static programs' cache ------------------------------------------------------------------

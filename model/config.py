@@ -14,6 +14,9 @@ from typing import Any, Literal
 
 from edgemtp.errors import EdgeMTPError, malformed_input
 
+# The dtypes a KV cache can be stored in (`--kv-cache`); model/cache.py maps them to torch.
+KV_CACHE_KINDS = ("fp32", "fp16", "int8")
+
 AttentionKind = Literal["sliding", "full"]
 KVRole = Literal["own", "store", "reuse"]
 

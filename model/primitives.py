@@ -120,6 +120,7 @@ class Primitives:
     def attention(self, q: Tensor, keys: Segments, values: Segments, mask: Tensor) -> Tensor:
         k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
         v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in fp16 is read widened
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
         return out.transpose(0, 1).reshape(q.shape[1], -1)
 

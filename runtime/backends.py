@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.cache import KVCache, RingTracker, cache_slots
+from edgemtp.model.cache import KV_CACHE_DTYPES, KVCache, RingTracker, cache_slots
 from edgemtp.model.checkpoint import Drafter, Target
 from edgemtp.model.config import TextConfig
 from edgemtp.model.forward import forward_rows, prefill, prefill_chunks
@@ -116,9 +116,11 @@ class ReferenceBackend:
         max_draft: int = 4,
         prefill_chunk: int = PREFILL_CHUNK,
         prune: bool = True,
+        kv_cache: str | None = None,
     ):
         """The engine computes in the target's form (`Target.use_form`): the reference's
-        numerics, or a backend form's."""
+        numerics, or a backend form's. `kv_cache` (`KV_CACHE_DTYPES`): the cache's storage
+        dtype, by default the form's."""
         cfg = target.cfg
         self.target, self.drafter = target, drafter
         self.max_context = min(max_context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
@@ -127,7 +129,12 @@ class ReferenceBackend:
         self.vocab_size = cfg.vocab_size
         self.chunk, self.prune = prefill_chunk, prune
         self.form = target.form
-        self.cache = KVCache(cfg, self.max_context, self.max_draft, self.form.cache_dtype)
+        if kv_cache is not None and kv_cache not in KV_CACHE_DTYPES:
+            raise EdgeMTPError(
+                f"--kv-cache {kv_cache}: unknown (choose {', '.join(KV_CACHE_DTYPES)})"
+            )
+        dtype = KV_CACHE_DTYPES[kv_cache] if kv_cache else self.form.cache_dtype
+        self.cache = KVCache(cfg, self.max_context, self.max_draft, dtype)
         self.rings = RingTracker(self.cache.slots, cfg.sliding_window)
         self.meter = Meter()
 

@@ -314,6 +314,7 @@ def generate(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     max_context: int | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    kv_cache: str | None = None,
 ) -> Generation:
     """The reference engine in one call: a fresh `ReferenceBackend` sized for this generation,
     depth `mtp_depth` (default 2 with a drafter, else 0)."""
@@ -328,6 +329,7 @@ def generate(
         max_draft=depth,
         prefill_chunk=prefill_chunk,
         prune=prune,
+        kv_cache=kv_cache,
     )
     return decode(
         backend,

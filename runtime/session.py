@@ -114,8 +114,10 @@ class Session:
         max_draft: int = 4,
         prefill_chunk: int = 512,
         prune: bool = True,
+        kv_cache: str | None = None,
     ) -> Session:
-        """The reference engine over a checkpoint folder (and its MTP assistant)."""
+        """The reference engine over a checkpoint folder (and its MTP assistant); `kv_cache`:
+        the cache's dtype (`KV_CACHE_DTYPES`; default float32)."""
         from edgemtp.quantize.load import load_drafter, load_target
 
         target = load_target(Path(model))
@@ -127,10 +129,12 @@ class Session:
             max_draft=max_draft,
             prefill_chunk=prefill_chunk,
             prune=prune,
+            kv_cache=kv_cache,
         )
         tokenizer = load_tokenizer(Path(model))
         stop = (*target.cfg.eos_token_ids, *(tokenizer.extra_stop_ids if tokenizer else ()))
         info = {"model": str(model), "backend": "reference", "delegate": "cpu"}
+        info["kv_cache"] = kv_cache or "fp32"
         return cls(backend, tokenizer, stop, info)
 
     # --- generating ----------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""The reference engine's int8 KV cache (`--kv-cache int8`): the stored form against numpy, and
+the engine over it against a float engine whose cache holds the same rounded values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edgemtp.cli import main
+from edgemtp.model.cache import KVCache, quantize_kv
+from edgemtp.quantize.load import load_drafter, load_target
+from edgemtp.runtime.backends import ReferenceBackend
+from edgemtp.runtime.generate import FixedDepth, decode, generate
+
+
+def _numpy_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per row of the last axis: scale = max|x| / 127, codes = rint(x / scale)
+    (as x times the float32 reciprocal, the way the cache computes it)."""
+    scale = np.abs(x).max(-1, keepdims=True).astype(np.float32) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(scale == 0, np.float32(0), np.float32(1) / scale).astype(np.float32)
+    return np.clip(np.rint(x * inverse), -127, 127).astype(np.int8), scale
+
+
+def test_quantize_kv_matches_numpy():
+    x = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(0)) * 5
+    x[1, 7] = 0  # an all-zero row: scale 0, codes 0
+    codes, scale = quantize_kv(x)
+    want_codes, want_scale = _numpy_int8(x.numpy())
+    np.testing.assert_array_equal(scale.numpy(), want_scale)
+    np.testing.assert_array_equal(codes.numpy(), want_codes)
+    assert codes.dtype == torch.int8 and scale.shape == (3, 40, 1)
+    assert int(codes.abs().max()) == 127 and not codes[1, 7].any()
+    error = (codes.float() * scale - x).abs()
+    assert bool((error <= scale / 2 * (1 + 1e-6)).all())  # within half a step everywhere
+
+
+class RoundedFloatCache(KVCache):
+    """A float32 cache that stores what numpy's int8 rounding gives back: the oracle."""
+
+    def write(self, new_kv, start):
+        rounded = {}
+        for layer, pair in new_kv.items():
+            rounded[layer] = tuple(
+                torch.from_numpy(np.multiply(*_numpy_int8(t.float().numpy()), dtype=np.float32))
+                for t in pair
+            )
+        super().write(rounded, start)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_q4_0_pair):
+    target = load_target(tiny_q4_0_pair[0])
+    return target, load_drafter(tiny_q4_0_pair[1], target.cfg)
+
+
+def _prompt(n: int = 27) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def test_int8_cache_reads_back_its_rounding(pair):
+    target, _ = pair
+    cache = KVCache(target.cfg, 48, 2, torch.int8)
+    oracle = RoundedFloatCache(target.cfg, 48, 2)
+    gen = torch.Generator().manual_seed(2)
+    start = 0
+    for n in (20, 9, 1, 15):  # past the sliding ring: slots are reused
+        rows = {
+            i: tuple(torch.randn(k.shape[0], n, k.shape[2], generator=gen) for _ in "kv")
+            for i, k in cache.k.items()
+        }
+        cache.write(rows, start)
+        oracle.write(rows, start)
+        start += n
+    for layer in cache.k:
+        (k,), (v,) = cache.kv(layer)
+        (ok,), (ov,) = oracle.kv(layer)
+        assert torch.equal(k, ok) and torch.equal(v, ov)
+    fp16 = KVCache(target.cfg, 48, 2, torch.float16)
+    assert cache.k[0].dtype == torch.int8
+    # per token and KV head: head_dim int8 codes and a float32 scale, for K and for V
+    heads_dim_slots = [k.shape for k in cache.k.values()]
+    assert cache.row_bytes() == sum(2 * h * (d + 4) for h, _, d in heads_dim_slots)
+    assert cache.nbytes() == sum(2 * h * n * (d + 4) for h, n, d in heads_dim_slots)
+    assert fp16.nbytes() == sum(2 * h * n * d * 2 for h, n, d in heads_dim_slots)
+
+
+def test_int8_engine_equals_a_float_engine_over_the_rounded_cache(pair):
+    """Prefill, AR decode and MTP rounds over the int8 cache decode exactly what the float
+    engine does when its cache holds numpy's rounding of the same rows: the engine reads the
+    cache it wrote, the drafter included, and nothing else."""
+    target, drafter = pair
+    prompt = _prompt()
+    got = generate(target, prompt, 24, prefill_chunk=8, kv_cache="int8")
+    backend = ReferenceBackend(target, max_context=64, prefill_chunk=8)
+    backend.cache = RoundedFloatCache(target.cfg, 64, 0)
+    want = decode(backend, prompt, 24, policy=FixedDepth(0))
+    assert got.tokens == want.tokens
+    fp32 = generate(target, prompt, 24, prefill_chunk=8)
+    assert fp32.tokens[:4] == got.tokens[:4]  # close to the float cache's, not far off
+    for depth in (1, 2):
+        mtp = generate(
+            target, prompt, 24, drafter=drafter, mtp_depth=depth, prefill_chunk=8,
+            kv_cache="int8",
+        )  # fmt: skip
+        assert mtp.tokens == got.tokens, depth  # greedy MTP is lossless over the int8 cache
+
+
+def test_kv_cache_flag(tiny_q4_0_pair, tmp_path, capsys):
+    model = str(tiny_q4_0_pair[0])
+    args = ["generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json"]
+    assert main([*args, "--model", model, "--kv-cache", "int8", "--mtp", "0"]) == 0
+    assert '"kv_cache": "int8"' in capsys.readouterr().out
+    assert main([*args, "--bundle", str(tmp_path), "--kv-cache", "int8"]) == 1
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("--kv-cache is for --model; a bundle carries its own")
+    )
