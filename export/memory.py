@@ -30,6 +30,7 @@ from edgemtp.errors import EdgeMTPError
 from edgemtp.model.checkpoint import drafter_config, target_config
 from edgemtp.model.gemma4 import Gemma4Drafter, Gemma4Target
 from edgemtp.quantize.load import open_checkpoint
+from edgemtp.runtime.capabilities import COREML_COMPUTE_UNITS
 from edgemtp.runtime.probes import current_rss_mb
 
 GIB = 2**30
@@ -44,11 +45,15 @@ class PeakModel:
     per_element: float  # bytes per linear weight element at the export's peak
 
 
-# Fitted to the peaks of two measured exports (benchmarks/README.md, "Exporting in bounded
-# memory"): the full-size E2B preset with its assistant, 2357 M linear weights, 3.15 GiB, and
-# PEER-90M, 64 M, 1.06 GiB. Forms not measured have none.
+# Each a line through the peaks of two measured exports (benchmarks/README.md, "Exporting in
+# bounded memory"). ExecuTorch cpu: the full-size E2B preset with its assistant, 2357 M linear
+# weights, 3.15 GiB, and PEER-90M, 64 M, 1.06 GiB. ONNX cpu: E2B at half scale, 537 M, 1.96 GiB,
+# and E4B, 6138 M, 8.22 GiB. Core ML (one conversion for every delegate: the compute units are
+# chosen at load): E2B, 2.63 GiB, and E4B, 4.44 GiB. Forms not measured have none.
 PEAK_MODELS: dict[tuple[str, str], PeakModel] = {
     ("executorch", "cpu"): PeakModel(base=1.00 * GIB, per_element=0.98),
+    ("onnx", "cpu"): PeakModel(base=1.36 * GIB, per_element=1.20),
+    **{("coreml", d): PeakModel(base=1.50 * GIB, per_element=0.51) for d in COREML_COMPUTE_UNITS},
 }
 
 
