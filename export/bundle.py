@@ -303,19 +303,29 @@ def _prepare(
     return out, quant
 
 
-def _check_space(out: Path, target: Path, drafter: Path | None) -> None:
+# Disk a backend's export works in beside its bundle, per linear weight: Core ML's spilled
+# codes (1 byte) and, while a converted function is merged, coremltools' blob file and package
+# of it and the bundle's package (0.56 each: 4-bit codes and fp16 scales).
+WORKING_DISK = {"coreml": 2.7}
+
+
+def _check_space(
+    out: Path, target: Path, drafter: Path | None, backend: str, elements: int
+) -> None:
     """Refuse early when the output's file system clearly cannot hold the bundle (about the
-    size of the checkpoints, quantized bundles less)."""
+    size of the checkpoints, quantized bundles less) and what the export writes beside it."""
 
     def size(p: Path) -> int:
         return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*"))
 
-    need = size(target) + (size(drafter) if drafter else 0)
+    need = (size(target) + (size(drafter) if drafter else 0)) // 2
+    need += int(WORKING_DISK.get(backend, 0) * elements)
     free = shutil.disk_usage(out.parent).free
-    if free < need // 2:
+    if free < need:
         raise EdgeMTPError(
-            f"not enough space for {out}: about {need / 2**30:.2f} GiB needed, "
-            f"{free / 2**30:.2f} GiB free on its file system; free space or choose another --out"
+            f"not enough space for {out}: about {need / 2**30:.2f} GiB needed while it is "
+            f"written, {free / 2**30:.2f} GiB free on its file system; free space or choose "
+            "another --out"
         )
 
 
@@ -363,11 +373,11 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
             raise EdgeMTPError(f"{p} does not exist")
     _check_configs(req.model, req.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _check_space(out, req.model, req.drafter)
+    elements = linear_elements(req.model, req.drafter)
+    _check_space(out, req.model, req.drafter, req.backend, elements)
     for p in (req.model, req.drafter):  # every refusal before the estimate's line
         if p is not None:
             _check_requantize(p, req.quant)
-    elements = linear_elements(req.model, req.drafter)
     estimate = estimated_peak(req.backend, req.delegate, elements)
     guess = f"{estimate / GIB:.1f} GiB" if estimate is not None else "not measured for this form"
     progress(f"{elements / 1e6:.0f} M linear weights; estimated peak memory {guess}")

@@ -34,6 +34,7 @@ import io
 import json
 import logging
 import shutil
+import tempfile
 import time
 import uuid
 import warnings
@@ -348,6 +349,43 @@ class FunctionMerger:
         (self.package / "Manifest.json").write_bytes(self.manifest)
 
 
+@contextlib.contextmanager
+def _temporary_files_beside(out_dir: Path) -> Iterator[None]:
+    """coremltools writes each converted function twice into temporary folders (its blob file,
+    then a package): here they go beside the bundle, on the file system the export checked for
+    space, and go with the export."""
+    work = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".edgemtp-coreml."))
+    previous, tempfile.tempdir = tempfile.tempdir, str(work)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _convert_and_merge(
+    static: StaticBundle, only: tuple[str, ...] | None, merger: FunctionMerger, progress: Progress
+) -> list[str]:
+    """Convert each method (those in `only`) and merge it as soon as it is converted; returns
+    their names."""
+    converted = []
+    for name, (module, inputs) in static.methods().items():
+        if only is not None and name not in only:
+            continue
+        t0 = time.perf_counter()
+        # coremltools reads the spilled codes a few times over: their pages dropped as it
+        # goes, they would all stay resident
+        with releasing_spilled():
+            model = convert_function(name, module, inputs, static)
+            merger.add(name, Path(model.package_path))
+            shutil.rmtree(model.package_path)  # coremltools removes its own only at exit
+            del model
+            gc.collect()
+        converted.append(name)
+        progress(f"convert {name} ({time.perf_counter() - t0:.1f} s)")
+    return converted
+
+
 def lower_coreml(
     static: StaticBundle,
     delegate: str,
@@ -367,21 +405,8 @@ def lower_coreml(
     signatures = declared_io(static)
     # each function merged as converted and dropped: one function's weights held at a time
     merger = FunctionMerger(package)
-    converted = []
-    for name, (module, inputs) in static.methods().items():
-        if only is not None and name not in only:
-            continue
-        t0 = time.perf_counter()
-        # coremltools reads the spilled codes a few times over: their pages dropped as it
-        # goes, they would all stay resident
-        with releasing_spilled():
-            model = convert_function(name, module, inputs, static)
-            merger.add(name, Path(model.package_path))
-            shutil.rmtree(model.package_path)  # coremltools removes its own only at exit
-            del model
-            gc.collect()
-        converted.append(name)
-        progress(f"convert {name} ({time.perf_counter() - t0:.1f} s)")
+    with _temporary_files_beside(out_dir):
+        converted = _convert_and_merge(static, only, merger, progress)
     t0 = time.perf_counter()
     merger.finish()
     canonicalize(package)

@@ -192,6 +192,22 @@ def test_no_space_for_the_output(tiny, tmp_path, capsys, monkeypatch):
     assert not out.exists() and _leftovers(tmp_path) == []
 
 
+def test_core_ml_needs_its_working_space(tiny, tmp_path, capsys, monkeypatch):
+    """Core ML writes spilled codes and a function's package beside the bundle: free space for
+    the bundle alone is refused, with what it needs."""
+    from edgemtp.export.bundle import WORKING_DISK
+    from edgemtp.export.memory import linear_elements
+
+    out = tmp_path / "bundle"
+    bundle_alone = sum(f.stat().st_size for f in tiny["target"].rglob("*")) // 2
+    working = int(WORKING_DISK["coreml"] * linear_elements(tiny["target"], None))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=bundle_alone + 1))
+    line = _export_error(capsys, "--model", tiny["target"], "--backend", "coreml", "--out", out)
+    assert f"about {(bundle_alone + working) / 2**30:.2f} GiB needed" in line
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
 def test_existing_output_and_missing_input(tiny, tmp_path, capsys):
     out = tmp_path / "bundle"
     out.mkdir()
