@@ -57,6 +57,7 @@ from edgemtp.runtime.capabilities import coreml_compute_units
 from edgemtp.runtime.runners.coreml import (
     BLOB_KINDS,
     HostPositions,
+    blob_values,
     package_weights,
     validate_mlpackage,
     weight_file,
@@ -275,16 +276,6 @@ def canonicalize(package: Path) -> None:
     spec_path.write_bytes(spec.SerializeToString(deterministic=True))
 
 
-def _blob_values(ops: Any) -> Iterator[Any]:
-    """Every value of `ops` (and their nested blocks) stored in the blob file."""
-    for op in ops:
-        values = [*op.attributes.values()]
-        values += [a.value for arg in op.inputs.values() for a in arg.arguments]
-        yield from (v for v in values if v.HasField("blobFileValue"))
-        for block in op.blocks:
-            yield from _blob_values(block.operations)
-
-
 class FunctionMerger:
     """One multifunction package, written as single-function packages come (the first
     `verify_0`, else the first added, is the default function): each function's program as
@@ -314,7 +305,7 @@ class FunctionMerger:
 
         spec = ct.utils.load_spec(str(part))
         fn = spec.mlProgram.functions["main"]
-        for value in _blob_values(fn.block_specializations[fn.opset].operations):
+        for value in blob_values(fn.block_specializations[fn.opset].operations):
             kind = BLOB_KINDS[value.type.tensorType.dataType]
             reader = _BlobStorageReader(str(weight_file(part)))
             data = getattr(reader, f"read_{kind}_data")(value.blobFileValue.offset)

@@ -475,7 +475,7 @@ def test_merged_package_equals_coremltools_merge(paths, tmp_path):
     import coremltools as ct
     from coremltools.libmilstoragepython import _BlobStorageReader
 
-    from edgemtp.runtime.runners.coreml import read_blob, weight_file
+    from edgemtp.runtime.runners.coreml import blob_values, read_blob, weight_file
 
     target, drafter = _load(paths["q4_0"])
     static = StaticBundle.build(target.model, drafter.model, SHAPES)
@@ -505,7 +505,7 @@ def test_merged_package_equals_coremltools_merge(paths, tmp_path):
         for fd in spec.description.functions:
             fn = spec.mlProgram.functions[fd.name]
             ops = [
-                (op.type, [o.name for o in op.outputs], coreml._blob_values([op]))
+                (op.type, [o.name for o in op.outputs], blob_values([op]))
                 for op in fn.block_specializations[fn.opset].operations
             ]
             functions[fd.name] = (

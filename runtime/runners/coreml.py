@@ -137,6 +137,16 @@ BLOB_KINDS |= {31: "uint8", 32: "uint16", 33: "uint32", 35: "uint4", 36: "uint2"
 BLOB_KINDS |= {38: "uint6", 39: "uint3"}
 
 
+def blob_values(ops: Any) -> Iterator[Any]:
+    """Every value of `ops` (and their nested blocks) stored in the blob file."""
+    for op in ops:
+        values = [*op.attributes.values()]
+        values += [a.value for arg in op.inputs.values() for a in arg.arguments]
+        yield from (v for v in values if v.HasField("blobFileValue"))
+        for block in op.blocks:
+            yield from blob_values(block.operations)
+
+
 def read_blob(reader: Any, value: Any) -> np.ndarray:
     """One tensor stored in weight.bin, in its stored dtype (sub-byte integers one a byte)."""
     t = value.type.tensorType
@@ -230,12 +240,9 @@ def validate_mlpackage(package: Path) -> dict[str, Any]:
     for name, ops in _functions(spec).items():
         dtypes: dict[str, set[str]] = {}
         for op in ops:
-            values = [op.attributes["val"]] if op.type == "const" else []
-            values += [a.value for arg in op.inputs.values() for a in arg.arguments]
-            for v in values:
-                if v.HasField("blobFileValue"):
-                    dtype = v.type.tensorType.dataType
-                    blobs[v.blobFileValue.offset] = _DTYPES.get(dtype, str(dtype))
+            for v in blob_values([op]):
+                dtype = v.type.tensorType.dataType
+                blobs[v.blobFileValue.offset] = _DTYPES.get(dtype, str(dtype))
             if op.type != "const" and op.outputs and op.outputs[0].type.HasField("tensorType"):
                 dtype = op.outputs[0].type.tensorType.dataType
                 dtypes.setdefault(op.type, set()).add(_DTYPES.get(dtype, str(dtype)))
