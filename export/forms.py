@@ -142,9 +142,18 @@ def kernel_attention(
     attends to (the mask's width: a context bucket's) and writes the output projection's
     layout; calls of many rows in its eager form, XNNPACK's batched matmuls."""
     own = (keys[1], values[1]) if len(keys) == 2 else (None, None)
-    if mask.shape[0] > KERNEL_MAX_ROWS:
+    # many rows: XNNPACK's batched matmuls over the widened cache, but an int8 cache's rows
+    # are read by the kernel alone (widened in standard ops they would run op by op)
+    if mask.shape[0] > KERNEL_MAX_ROWS and keys[0].dtype != torch.int8:
         return cache_attention_rows(q, keys[0], values[0], *own, mask)
     return torch.ops.edgemtp.cache_attention_rows(q, keys[0], values[0], *own, mask)
+
+
+def kernel_scatter(ops: Primitives, buffer: Tensor, slots: Tensor, rows: Tensor) -> None:
+    """An int8 cache's rows quantized in `edgemtp::quantize_kv_rows`, then written."""
+    if buffer.dtype == torch.int8:
+        rows = torch.ops.edgemtp.quantize_kv_rows(rows)
+    buffer.index_copy_(1, slots, rows.to(buffer.dtype))
 
 
 def int4_head_logits(ops: Primitives, lm_head: nn.Module, ids: Tensor, h: Tensor) -> Tensor:
@@ -211,6 +220,7 @@ class XnnpackKernelChunk(Primitives):
     attention = kernel_attention
     mask = arithmetic_mask
     head_logits = int4_head_logits
+    scatter = kernel_scatter
 
 
 class XnnpackKernelStep(Primitives):
@@ -225,6 +235,7 @@ class XnnpackKernelStep(Primitives):
     attention = kernel_attention
     mask = arithmetic_mask
     head_logits = kernel_head_logits
+    scatter = kernel_scatter
 
 
 class CoreML(Primitives):

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.config import KV_CACHE_KINDS, AttentionKind, TextConfig
-from edgemtp.model.primitives import KV, Primitives
+from edgemtp.model.config import KV_CACHE_KINDS, AttentionKind, LayerSpec, TextConfig
+from edgemtp.model.primitives import KV, SCALE_BYTES, Primitives, stored_rows
 
 
 def ring_size(window: int, max_draft: int) -> int:
@@ -37,11 +37,18 @@ def cache_slots(cfg: TextConfig, max_context: int, max_draft: int) -> dict[str, 
     return {kind: max_context if kind == "full" else ring for kind in sorted(set(cfg.layer_types))}
 
 
+def row_width(spec: LayerSpec, dtype: torch.dtype) -> int:
+    """Elements of one cached K or V row: head_dim, and an int8 row's scale bytes."""
+    return spec.head_dim + (SCALE_BYTES if dtype == torch.int8 else 0)
+
+
 def cache_bytes(cfg: TextConfig, max_context: int, max_draft: int, itemsize: int = 4) -> int:
-    """Bytes of K and V over every layer that owns a cache."""
+    """Bytes of K and V over every layer that owns a cache, stored in `itemsize` bytes an
+    element (1: int8 rows with their scales)."""
     slots = cache_slots(cfg, max_context, max_draft)
+    dtype = {4: torch.float32, 2: torch.float16, 1: torch.int8}[itemsize]
     return sum(
-        2 * spec.num_kv_heads * slots[spec.attention] * spec.head_dim * itemsize
+        2 * spec.num_kv_heads * slots[spec.attention] * row_width(spec, dtype) * itemsize
         for spec in cfg.layers
         if spec.owns_kv
     )
@@ -78,21 +85,11 @@ class RingTracker:
 KV_CACHE_DTYPES = dict(zip(KV_CACHE_KINDS, (torch.float32, torch.float16, torch.int8), strict=True))
 
 
-def quantize_kv(x: Tensor) -> tuple[Tensor, Tensor]:
-    """K or V rows [heads, rows, head_dim] as an int8 cache stores them: symmetric, one float32
-    scale per head and row, scale = max|x| / 127, codes round-half-even(x / scale); an all-zero
-    row gets scale 0 and codes 0."""
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
-    return torch.round(x * inverse).clamp(-127, 127).to(torch.int8), scale
-
-
 class KVCache:
     """The reference engine's cache: host tensors, written by `write` after each forward.
 
-    dtype int8: K and V as `quantize_kv` stores them, read back as codes * scale (a forward's
-    own new rows are attended in float before they are written, as every backend does)."""
+    dtype int8: each K and V row as `stored_rows` keeps it (`quantize_kv`'s codes, then the
+    row's float32 scale), read back as codes * scale by the attention."""
 
     def __init__(
         self,
@@ -104,20 +101,13 @@ class KVCache:
         self.cfg = cfg
         self.max_context = max_context
         self.slots = cache_slots(cfg, max_context, max_draft)
-        self.quantized = dtype == torch.int8
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
-        self.k_scale: dict[int, Tensor] = {}  # int8 only: [heads, slots, 1] float32
-        self.v_scale: dict[int, Tensor] = {}
         for spec in cfg.layers:
             if spec.owns_kv:
-                shape = (spec.num_kv_heads, self.slots[spec.attention], spec.head_dim)
+                shape = (spec.num_kv_heads, self.slots[spec.attention], row_width(spec, dtype))
                 self.k[spec.index] = torch.zeros(shape, dtype=dtype)
                 self.v[spec.index] = torch.zeros(shape, dtype=dtype)
-                if self.quantized:
-                    scales = (*shape[:2], 1)
-                    self.k_scale[spec.index] = torch.zeros(scales)
-                    self.v_scale[spec.index] = torch.zeros(scales)
         self.slot_positions = {
             kind: torch.full((n,), -1, dtype=torch.long) for kind, n in self.slots.items()
         }
@@ -129,10 +119,6 @@ class KVCache:
 
     def kv(self, layer: int) -> KV:
         n = self._used(self.cfg.layers[layer].attention)
-        if self.quantized:
-            k = self.k[layer][:, :n].float() * self.k_scale[layer][:, :n]
-            v = self.v[layer][:, :n].float() * self.v_scale[layer][:, :n]
-            return (k,), (v,)
         return (self.k[layer][:, :n],), (self.v[layer][:, :n],)
 
     def positions(self, kind: AttentionKind) -> Tensor:
@@ -158,12 +144,8 @@ class KVCache:
             size = self.slots[self.cfg.layers[layer].attention]
             keep = min(n, size)
             slots = torch.arange(start + n - keep, start + n) % size
-            k, v = k[:, n - keep :], v[:, n - keep :]
-            if self.quantized:
-                k, self.k_scale[layer][:, slots] = quantize_kv(k)
-                v, self.v_scale[layer][:, slots] = quantize_kv(v)
-            self.k[layer][:, slots] = k.to(self.k[layer].dtype)
-            self.v[layer][:, slots] = v.to(self.v[layer].dtype)
+            for buffer, rows in ((self.k[layer], k), (self.v[layer], v)):
+                buffer[:, slots] = stored_rows(rows[:, n - keep :], buffer.dtype)
         self.length = start + n
 
     def truncate(self, length: int) -> None:
@@ -175,7 +157,7 @@ class KVCache:
         self.length = length
 
     def _tensors(self) -> list[Tensor]:
-        return [*self.k.values(), *self.v.values(), *self.k_scale.values(), *self.v_scale.values()]
+        return [*self.k.values(), *self.v.values()]
 
     def row_bytes(self) -> int:
         """Bytes one position's K/V (and their scales) takes over every layer that owns a cache."""
@@ -231,8 +213,9 @@ class StaticView:
 
 class StaticCache(nn.Module):
     """The target's KV cache as buffers: `k{i}`/`v{i}` per owning layer `[kv_heads, slots + 1,
-    head_dim]` and `pos_{kind}` per kind (int64 `[slots + 1]`, -1 = empty); the last slot of each
-    is the trash slot pad rows are written to (its position stays -1)."""
+    head_dim]` (int8: `head_dim + 4`, each row's scale after its codes) and `pos_{kind}` per
+    kind (int64 `[slots + 1]`, -1 = empty); the last slot of each is the trash slot pad rows
+    are written to (its position stays -1)."""
 
     def __init__(
         self,
@@ -251,9 +234,13 @@ class StaticCache(nn.Module):
         for kind, n in self.slots.items():
             self.register_buffer(f"pos_{kind}", torch.full((n + 1,), -1))
         self.owners = [spec.index for spec in cfg.layers if spec.owns_kv]
+        self.store_as(dtype)
+
+    def store_as(self, dtype: torch.dtype) -> None:
+        """(Re)make the K/V buffers, empty, to store rows as `dtype` (`stored_rows`)."""
         for i in self.owners:
-            spec = cfg.layers[i]
-            shape = (spec.num_kv_heads, self.slots[spec.attention] + 1, spec.head_dim)
+            spec = self.cfg.layers[i]
+            shape = (spec.num_kv_heads, self.slots[spec.attention] + 1, row_width(spec, dtype))
             self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype))
             self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype))
 

@@ -63,6 +63,46 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+# --- how a KV cache stores its rows ------------------------------------------------------------
+
+SCALE_BYTES = 4  # an int8 cache row ends with its float32 scale
+
+
+def quantize_kv(x: Tensor) -> tuple[Tensor, Tensor]:
+    """K or V rows [heads, rows, head_dim] as an int8 cache stores them: symmetric, one float32
+    scale per head and row, scale = max|x| / 127, codes round-half-even(x / scale); an all-zero
+    row gets scale 0 and codes 0."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    return torch.round(x * inverse).clamp(-127, 127).to(torch.int8), scale
+
+
+def stored_rows(rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """K or V rows [heads, rows, head_dim] as a cache of `dtype` holds them. int8: each row's
+    codes then its scale's four bytes, [heads, rows, head_dim + 4] (one row, one read, as
+    GGML's Q8_0 blocks keep their scale)."""
+    if dtype != torch.int8:
+        return rows.to(dtype)
+    codes, scale = quantize_kv(rows)
+    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def read_rows(stored: Tensor, dtype: torch.dtype) -> Tensor:
+    """Cache rows back as `dtype`: an int8 row is its codes times its scale."""
+    if stored.dtype != torch.int8:
+        return stored.to(dtype)
+    dim = stored.shape[-1] - SCALE_BYTES
+    scale = stored[..., dim:].contiguous().view(torch.float32)
+    return (stored[..., :dim].to(torch.float32) * scale).to(dtype)
+
+
+def as_stored(rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """Rows as a cache of `dtype` will give them back: what a call attends its own new rows as,
+    so a verify row sees the keys a later step reads from the cache."""
+    return rows if dtype == rows.dtype else read_rows(stored_rows(rows, dtype), rows.dtype)
+
+
 class Primitives:
     """The reference form: every concept in plain PyTorch, as transformers computes it.
 
@@ -77,7 +117,8 @@ class Primitives:
     - `mask(q_pos, kv_pos, window)`: which keys each row attends to, in `attention`'s form;
     - `rope(positions, inv_freq, dtype)`: cos and sin;
     - `head_logits(lm_head, ids, h)`: the logits of tokens `ids` for one state h;
-    - `scatter(buffer, slots, rows)`: rows [heads, T, d] into buffer slots [T] along dim 1.
+    - `scatter(buffer, slots, rows)`: rows [heads, T, d] into buffer slots [T] along dim 1, as
+      the buffer stores them (`stored_rows`).
     """
 
     def norm(self, norm: nn.Module, x: Tensor) -> Tensor:
@@ -115,12 +156,14 @@ class Primitives:
         return queries, keys, values
 
     def extend(self, past: Segments, new: Tensor) -> Segments:
-        return (torch.cat([*past, new], dim=1),)
+        stored = past[0].dtype if past else new.dtype  # a narrower cache: read widened
+        past = tuple(read_rows(p, new.dtype) for p in past)
+        return (torch.cat([*past, as_stored(new, stored)], dim=1),)
 
     def attention(self, q: Tensor, keys: Segments, values: Segments, mask: Tensor) -> Tensor:
         k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
         v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in fp16 is read widened
+        k, v = read_rows(k, q.dtype), read_rows(v, q.dtype)  # a narrower cache, widened
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
         return out.transpose(0, 1).reshape(q.shape[1], -1)
 
@@ -136,7 +179,7 @@ class Primitives:
         return lm_head.weight[ids] @ h
 
     def scatter(self, buffer: Tensor, slots: Tensor, rows: Tensor) -> None:
-        buffer.index_copy_(1, slots, rows.to(buffer.dtype))
+        buffer.index_copy_(1, slots, stored_rows(rows, buffer.dtype))
 
 
 REFERENCE = Primitives()

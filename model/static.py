@@ -359,11 +359,8 @@ class StaticBundle:
         self.form = self.target.form = form
         if self.drafter is not None:
             self.drafter.form = form
-        cache = self.cache
-        cache.reads_prefix = form.reads_cache_prefix
-        for i in cache.owners:
-            for name in (f"k{i}", f"v{i}"):
-                cache.register_buffer(name, getattr(cache, name).to(form.cache_dtype))
+        self.cache.reads_prefix = form.reads_cache_prefix
+        self.cache.store_as(form.cache_dtype)
         return stats
 
     def example_inputs(self, rows: int) -> tuple[Tensor, ...]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from oracle_int8 import numpy_int8_rows, numpy_read_int8_rows
 from torch import nn
 
 from edgemtp import native
@@ -55,6 +56,7 @@ class Case:
     window: int | None
     seed: int
     half: bool = False  # a float16 cache
+    int8: bool = False  # an int8 cache: each row's codes, then its float32 scale
 
     def inputs(self) -> tuple[tuple[torch.Tensor | None, ...], np.ndarray]:
         """(op inputs, allowed [rows, keys]). Empty slots, and slots past the mask's width,
@@ -84,17 +86,32 @@ class Case:
         v_new = torch.randn(h, self.fresh, d, generator=gen) if self.fresh else None
         if self.half:
             k, v = k.half(), v.half()
+        if self.int8:  # an empty slot's scale is NaN: a kernel that read it returns NaN
+            k, v = (torch.from_numpy(numpy_int8_rows(np.nan_to_num(t.numpy()))) for t in (k, v))
+            unread = torch.ones(self.slots, dtype=torch.bool)
+            unread[: self.cached] = empty
+            nan = torch.tensor([float("nan")]).view(torch.int8)
+            k[:, unread, d:], v[:, unread, d:] = nan, nan
         mask = torch.where(allowed, 0.0, BLOCKED)
         return (q, k, v, k_new, v_new, mask), allowed.numpy()
 
 
 def numpy_attention(inputs: tuple[torch.Tensor | None, ...], allowed: np.ndarray) -> np.ndarray:
-    """With a float16 cache the call's own keys count as float16 too (as they will be stored)."""
+    """With a float16 or int8 cache the call's own keys count as stored too (as they will be:
+    float16, or numpy's int8 rounding)."""
     stored = inputs[1].dtype
-    q, k, v, k_new, v_new, _ = (
-        None if t is None else t.to(stored if i in (3, 4) else t.dtype).double().numpy()
-        for i, t in enumerate(inputs)
-    )
+    int8 = stored == torch.int8
+
+    def cached(t: torch.Tensor) -> np.ndarray:
+        return (numpy_read_int8_rows(t.numpy()) if int8 else t.numpy()).astype(np.float64)
+
+    def own(t: torch.Tensor | None) -> np.ndarray | None:  # as the cache will store it
+        if t is None:
+            return None
+        return cached(torch.from_numpy(numpy_int8_rows(t.numpy())) if int8 else t.to(stored))
+
+    q, k, v, k_new, v_new, _ = inputs
+    q, k, v, k_new, v_new = q.double().numpy(), cached(k), cached(v), own(k_new), own(v_new)
     rows, keys = allowed.shape
     fresh = 0 if k_new is None else k_new.shape[1]
     out = np.zeros_like(q)
@@ -122,6 +139,11 @@ CASES = {
     # float16 caches: a verify over a bucket, and the drafter with a head dim off the vector width
     "verify_half": Case(1, 4, 4, 256, 300, 260, 4, None, 4, half=True),
     "draft_half": Case(2, 2, 1, 40, 200, 200, 0, 64, 5, half=True),
+    # int8 caches: a decode over a bucket, a verify in a wrapped ring past a chunk, the drafter
+    # with a head dim off every vector width
+    "decode_int8": Case(1, 4, 1, 256, 600, 512, 1, None, 6, int8=True),
+    "verify_int8": Case(2, 2, 4, 32, 300, 300, 4, 140, 7, int8=True),
+    "draft_int8": Case(2, 2, 1, 44, 200, 200, 0, 64, 8, int8=True),
 }
 
 
@@ -309,12 +331,46 @@ def test_eager_op_matches_numpy():
         q, k, v, k_new, v_new, mask = inputs
         # eager reads every slot up to the mask's width: give empty ones finite values
         k, v = torch.nan_to_num(k, nan=3.0), torch.nan_to_num(v, nan=-3.0)  # (keeps the dtype)
+        if case.int8:  # empty slots: their NaN scales
+            k, v = (
+                torch.from_numpy(numpy_int8_rows(np.nan_to_num(numpy_read_int8_rows(t.numpy()))))
+                for t in (k, v)
+            )
         clean = (q, k, v, k_new, v_new, mask)
         got = torch.ops.edgemtp.cache_attention(*clean).numpy()
         # float32 torch ops, whose sums run in the order this CPU's kernels pick: scores of
         # ~50 at a head dim of 256 (scale 1.0) carry a few 1e-6, outputs up to ~2e-5 off
         np.testing.assert_allclose(got, numpy_attention(clean, allowed), atol=4e-5, err_msg=name)
         assert torch.equal(torch.ops.edgemtp.cache_attention(*clean), cache_attention(*clean))
+
+
+class QuantizeRowsOp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.edgemtp.quantize_kv_rows(x)
+
+
+def test_quantize_kv_rows_kernel_equals_numpy():
+    """An int8 cache's rows as the kernel writes them: codes and scale bytes equal numpy's
+    (an all-zero row, exact halves that round to even, a head dim off the vector widths)."""
+    from executorch.extension.pybindings import portable_lib
+
+    gen = torch.Generator().manual_seed(20)
+    x = torch.randn(2, 5, 44, generator=gen) * 4
+    x[0, 1] = 0
+    x[1, 2] = torch.arange(44) - 21.5  # scale 21.5 / 127: every code a tie or near one
+    x[1, 3, :2] = torch.tensor([127.0, 0.5])  # scale 1.0: 0.5 rounds to 0 (even)
+    kernels.load()
+    manager = lower_programs(
+        {"quantize": export_method(QuantizeRowsOp(), (x,))}, lambda: [xnnpack_partitioner()]
+    )
+    loaded = portable_lib._load_for_executorch_from_buffer(
+        manager.to_executorch(backend_config()).buffer
+    )
+    got = loaded.run_method("quantize", (x,))[0].numpy()
+    want = numpy_int8_rows(x.numpy())
+    np.testing.assert_array_equal(got, want)
+    assert want[1, 3, 1] == 0 and want[1, 3, 0] == 127
+    np.testing.assert_array_equal(torch.ops.edgemtp.quantize_kv_rows(x).numpy(), want)
 
 
 class NormOp(nn.Module):

@@ -163,12 +163,13 @@ def attention_file(case: AttentionCase, by_rows: bool, path: Path) -> np.ndarray
     inputs, allowed = case.inputs()
     q, k, v, k_new, v_new, mask = inputs
     fresh = 0 if k_new is None else k_new.shape[1]
-    shape = [*q.shape, *mask.shape, fresh, k.shape[1], int(case.half), int(by_rows)]
+    storage = 2 if case.int8 else int(case.half)  # float32, float16 or int8 rows
+    shape = [*q.shape, *mask.shape, fresh, k.shape[1], storage, int(by_rows)]
     with path.open("wb") as f:
         f.write(np.array(shape, dtype="<i8").tobytes())
         f.write(q.numpy().astype("<f4").tobytes())
         for cache in (k, v):
-            stored = "<f2" if case.half else "<f4"
+            stored = ("<f4", "<f2", "i1")[storage]
             f.write(cache.numpy().astype(stored).tobytes())
         for own in (k_new, v_new):
             if own is not None:
@@ -186,7 +187,7 @@ def attention_file(case: AttentionCase, by_rows: bool, path: Path) -> np.ndarray
 @pytest.mark.parametrize("cpu", ["max", "cortex-a53"])
 @pytest.mark.parametrize("name", list(ATTENTION_CASES))
 def test_arm64_attention_matches_numpy(arm64_attention, tmp_path, cpu, name):
-    """NEON's 4 lanes, its float16 widening (vcvt_f32_f16) and lane sums, on every case of the
+    """NEON's 4 lanes, its float16 and int8 widening and lane sums, on every case of the
     ExecuTorch kernel's tests (masked slots hold NaN: reading one would show), both layouts."""
     case = ATTENTION_CASES[name]
     for by_rows in (False, True):

@@ -1,6 +1,7 @@
 // edgemtp::cache_attention.out and edgemtp::cache_attention_rows.out: the ExecuTorch operators
 // over cache_attention.h's arithmetic (the shapes, and which cache slots it reads, are described
-// there): argument checks, the output's size, the float16 cache's storage type.
+// there): argument checks, the output's size, the cache's storage type. And
+// edgemtp::quantize_kv_rows.out: K or V rows as an int8 cache stores them.
 
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
@@ -27,7 +28,8 @@ Tensor& checked_attention(KernelRuntimeContext& ctx, const Tensor& q, const Tens
   const ScalarType cache_type = k_cache.scalar_type();
   ET_KERNEL_CHECK(ctx,
                   q.scalar_type() == ScalarType::Float && mask.scalar_type() == ScalarType::Float &&
-                      (cache_type == ScalarType::Float || cache_type == ScalarType::Half) &&
+                      (cache_type == ScalarType::Float || cache_type == ScalarType::Half ||
+                       cache_type == ScalarType::Char) &&
                       v_cache.scalar_type() == cache_type,
                   InvalidArgument, out);
   const int64_t kv_heads = q.size(0), q_rows = q.size(1), dim = q.size(2);
@@ -35,10 +37,11 @@ Tensor& checked_attention(KernelRuntimeContext& ctx, const Tensor& q, const Tens
   const int64_t slots = k_cache.size(1);
   ET_KERNEL_CHECK(ctx, rows > 0 && q_rows % rows == 0 && cached >= 0 && cached <= slots,
                   InvalidArgument, out);
+  const int64_t width = cache_type == ScalarType::Char ? dim + attention::kScaleBytes : dim;
   ET_KERNEL_CHECK(ctx,
                   k_cache.size(0) == kv_heads && v_cache.size(0) == kv_heads &&
-                      v_cache.size(1) == slots && k_cache.size(2) == dim &&
-                      v_cache.size(2) == dim,
+                      v_cache.size(1) == slots && k_cache.size(2) == width &&
+                      v_cache.size(2) == width,
                   InvalidArgument, out);
   for (const optional<Tensor>* t : {&k_new, &v_new}) {
     if (!t->has_value()) continue;
@@ -62,7 +65,11 @@ Tensor& checked_attention(KernelRuntimeContext& ctx, const Tensor& q, const Tens
   const float* qd = q.const_data_ptr<float>();
   const float* md = mask.const_data_ptr<float>();
   float* od = out.mutable_data_ptr<float>();
-  if (cache_type == ScalarType::Half) {
+  if (cache_type == ScalarType::Char) {
+    attention::cache_attention(qd, k_cache.const_data_ptr<int8_t>(),
+                               v_cache.const_data_ptr<int8_t>(), kn, vn, md, kv_heads, q_rows,
+                               dim, rows, keys, fresh, slots, od, by_rows);
+  } else if (cache_type == ScalarType::Half) {
     using executorch::aten::Half;  // IEEE binary16 storage, as Float16
     using attention::Float16;
     attention::cache_attention(qd, reinterpret_cast<const Float16*>(k_cache.const_data_ptr<Half>()),
@@ -92,7 +99,29 @@ Tensor& cache_attention_rows_out(KernelRuntimeContext& ctx, const Tensor& q,
   return checked_attention(ctx, q, k_cache, v_cache, k_new, v_new, mask, out, true);
 }
 
+Tensor& quantize_kv_rows_out(KernelRuntimeContext& ctx, const Tensor& x, Tensor& out) {
+  ET_KERNEL_CHECK(ctx, x.dim() == 3 && x.scalar_type() == ScalarType::Float, InvalidArgument,
+                  out);
+  const int64_t dim = x.size(2), rows = x.size(0) * x.size(1);
+  const executorch::aten::SizesType sizes[3] = {
+      static_cast<executorch::aten::SizesType>(x.size(0)),
+      static_cast<executorch::aten::SizesType>(x.size(1)),
+      static_cast<executorch::aten::SizesType>(dim + attention::kScaleBytes)};
+  ET_KERNEL_CHECK(ctx,
+                  out.scalar_type() == ScalarType::Char &&
+                      executorch::runtime::resize_tensor(out, {sizes, 3}) ==
+                          executorch::runtime::Error::Ok,
+                  InvalidArgument, out);
+  const float* xd = x.const_data_ptr<float>();
+  int8_t* od = out.mutable_data_ptr<int8_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    attention::quantize_row(xd + r * dim, dim, od + r * (dim + attention::kScaleBytes));
+  }
+  return out;
+}
+
 }  // namespace edgemtp
 
 EXECUTORCH_LIBRARY(edgemtp, "cache_attention.out", edgemtp::cache_attention_out);
 EXECUTORCH_LIBRARY(edgemtp, "cache_attention_rows.out", edgemtp::cache_attention_rows_out);
+EXECUTORCH_LIBRARY(edgemtp, "quantize_kv_rows.out", edgemtp::quantize_kv_rows_out);

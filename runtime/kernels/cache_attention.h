@@ -9,14 +9,17 @@
 // rows of a KV group. Keys are split into chunks run on ExecuTorch's threadpool; each chunk keeps
 // its own softmax max and sum, merged at the end (flash-decoding).
 //
-// Shapes (contiguous; float32 but for the cache, float32 or float16):
+// Shapes (contiguous; float32 but for the cache, float32, float16 or int8 rows):
 //   q        [kv_heads, group * rows, head_dim]  query row g * rows + t belongs to mask row t
 //   k_cache  [kv_heads, slots, head_dim]         slots may exceed what the mask reads
-//   v_cache  [kv_heads, slots, head_dim]         float16: half the bytes read, widened on load
+//   v_cache  [kv_heads, slots, head_dim]         float16: half the bytes read, widened on load;
+//                                                int8: [kv_heads, slots, head_dim + 4], each
+//                                                row's codes then its float32 scale (a quarter
+//                                                of float32's bytes and one scale)
 //   k_new    [kv_heads, fresh, head_dim] or none  the call's own keys, after the cache's (with
-//   v_new    [kv_heads, fresh, head_dim] or none  a float16 cache, rounded to float16 as they
-//                                                will be stored: a verify row then sees the
-//                                                keys a later decode step reads from the cache)
+//   v_new    [kv_heads, fresh, head_dim] or none  a narrower cache, rounded as they will be
+//                                                stored: a verify row then sees the keys a
+//                                                later decode step reads from the cache)
 //   mask     [rows, keys]                        additive: 0 attends, <= -1e29 blocked; the
 //                                                cache's first keys - fresh slots are read
 //   out      [kv_heads, group * rows, head_dim]
@@ -101,7 +104,60 @@ inline Vec load(const Float16* p) {
 #endif
 }
 
+// int8 codes widened a register at a time (an int8 cache's rows; the scale is applied to the
+// dot product or the softmax weight, once per key, not per element).
+inline Vec load(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(word)));
+  return reinterpret_cast<Vec>(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))));
+#else
+  using ByteVec = int8_t __attribute__((vector_size(kLanes)));
+  ByteVec b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, Vec);
+#endif
+}
+
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// --- an int8 cache's rows: head_dim codes, then the row's float32 scale ---------------------
+
+constexpr int64_t kScaleBytes = 4;
+
+// One K or V row as an int8 cache stores it: scale = max|x| / 127, codes = round-half-even(x /
+// scale) (times the float32 reciprocal), scale 0 and codes 0 for an all-zero row; the same
+// float32 operations as the Python side's `quantize_kv`, so the codes are equal.
+inline void quantize_row(const float* x, int64_t dim, int8_t* out) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax / 127.0f;
+  const float inverse = scale == 0.0f ? 0.0f : 1.0f / scale;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float code = std::nearbyint(x[d] * inverse);  // ties to even: the default mode
+    out[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
+  }
+  std::memcpy(out + dim, &scale, sizeof scale);
+}
+
+inline float row_scale(const int8_t* row, int64_t dim) {
+  float scale;
+  std::memcpy(&scale, row + dim, sizeof scale);
+  return scale;
+}
+
+// Elements of one cached row of type T.
+template <typename T>
+constexpr int64_t row_width(int64_t dim) {
+  return std::is_same_v<T, int8_t> ? dim + kScaleBytes : dim;
+}
 
 // The lanes summed pairwise, halves onto halves: a sequential sum (what the compiler must keep
 // for a plain loop without -ffast-math) is one dependent add per lane, at every key and row.
@@ -223,14 +279,15 @@ struct Partial {  // one chunk's softmax state per query row: max, sum, unnormal
   float* acc;
 };
 
-// One call's inputs, the cache's element type T (float or Float16); the call's own keys in T.
-template <typename T>
+// One call's inputs: the cache's element type T (float, Float16 or int8_t rows), the call's own
+// keys' O (as they will be stored: T, or float rounded through int8).
+template <typename T, typename O>
 struct Call {
   const float* q;
   const T* k_cache;
   const T* v_cache;
-  const T* k_new;
-  const T* v_new;
+  const O* k_new;
+  const O* v_new;
   const float* mask;
   int64_t q_rows, dim, rows, keys, cached, fresh, slots, chunks;
 
@@ -248,16 +305,24 @@ struct Call {
       if (open) live[n++] = j;
     }
     // the cache's keys, then the call's own: live is ascending and they come last
+    constexpr bool kInt8 = std::is_same_v<T, int8_t>;
     const T* cache_k[kChunk];
     const T* cache_v[kChunk];
-    const T* own_k[kChunk];
-    const T* own_v[kChunk];
+    const O* own_k[kChunk];
+    const O* own_v[kChunk];
+    float k_scale[kInt8 ? kChunk : 1];
+    float v_scale[kInt8 ? kChunk : 1];
     int64_t from_cache = 0;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = live[i];
       if (j < cached) {
-        cache_k[from_cache] = k_cache + (head * slots + j) * dim;
-        cache_v[from_cache++] = v_cache + (head * slots + j) * dim;
+        cache_k[from_cache] = k_cache + (head * slots + j) * row_width<T>(dim);
+        cache_v[from_cache] = v_cache + (head * slots + j) * row_width<T>(dim);
+        if constexpr (kInt8) {
+          k_scale[from_cache] = row_scale(cache_k[from_cache], dim);
+          v_scale[from_cache] = row_scale(cache_v[from_cache], dim);
+        }
+        ++from_cache;
       } else {
         own_k[i - from_cache] = k_new + (head * fresh + (j - cached)) * dim;
         own_v[i - from_cache] = v_new + (head * fresh + (j - cached)) * dim;
@@ -275,6 +340,9 @@ struct Call {
     });
     for (int64_t r = 0; r < q_rows; ++r) {
       float* s = scores.data() + r * kChunk;
+      if constexpr (kInt8) {  // q . (codes * scale) as (q . codes) * scale
+        for (int64_t i = 0; i < from_cache; ++i) s[i] *= k_scale[i];
+      }
       const float* m_row = mask + (r % rows) * keys;
       for (int64_t i = 0; i < n; ++i) s[i] += m_row[live[i]];
       const float m = n ? *std::max_element(s, s + n) : -std::numeric_limits<float>::infinity();
@@ -289,6 +357,9 @@ struct Call {
       for (int64_t i = 0; i < n; ++i) total += s[i];
       state.max[r] = m;
       state.sum[r] = total;
+      if constexpr (kInt8) {  // weight * (codes * scale) as (weight * scale) * codes
+        for (int64_t i = 0; i < from_cache; ++i) s[i] *= v_scale[i];
+      }
     }
     by_row_blocks(q_rows, [&](auto block, int64_t r0) {
       constexpr int R = decltype(block)::value;
@@ -301,8 +372,8 @@ struct Call {
 };
 
 // `by_rows`: out as [rows, heads * dim] (cache_attention_rows) instead of [kv_heads, q_rows, dim].
-template <typename T>
-void attend(const Call<T>& call, int64_t kv_heads, float* out, bool by_rows) {
+template <typename T, typename O>
+void attend(const Call<T, O>& call, int64_t kv_heads, float* out, bool by_rows) {
   const int64_t q_rows = call.q_rows, dim = call.dim, chunks = call.chunks;
   const int64_t tasks = kv_heads * chunks;
   const int64_t stride = q_rows * (dim + 2);  // one Partial's floats
@@ -341,30 +412,48 @@ void attend(const Call<T>& call, int64_t kv_heads, float* out, bool by_rows) {
   }
 }
 
-// One call over plain arrays, shapes as above; T: the cache's element type (float or Float16).
-// The call's own keys and values come as float32 and count as T, as they will be stored.
+// The call's own rows as the cache of T will give them back: float16 as stored, an int8
+// row's codes times its scale (in float32).
+template <typename T>
+using Own = std::conditional_t<std::is_same_v<T, int8_t>, float, T>;
+
+template <typename T>
+void round_as_stored(const float* x, int64_t rows, int64_t dim, Own<T>* out) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    std::vector<int8_t> row(static_cast<size_t>(dim + kScaleBytes));
+    for (int64_t r = 0; r < rows; ++r) {
+      quantize_row(x + r * dim, dim, row.data());
+      const float scale = row_scale(row.data(), dim);
+      for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = static_cast<float>(row[d]) * scale;
+    }
+  } else {
+    for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<T>(x[i]);
+  }
+}
+
+// One call over plain arrays, shapes as above; T: the cache's element type (float, Float16 or
+// int8_t rows). The call's own keys and values come as float32, attended as they will be stored.
 template <typename T>
 void cache_attention(const float* q, const T* k_cache, const T* v_cache, const float* k_new,
                      const float* v_new, const float* mask, int64_t kv_heads, int64_t q_rows,
                      int64_t dim, int64_t rows, int64_t keys, int64_t fresh, int64_t slots,
                      float* out, bool by_rows) {
-  const T* own_k = nullptr;
-  const T* own_v = nullptr;
-  thread_local std::vector<T> rounded;
+  using O = Own<T>;
+  const O* own_k = nullptr;
+  const O* own_v = nullptr;
+  thread_local std::vector<O> rounded;
   if constexpr (std::is_same_v<T, float>) {
     own_k = k_new, own_v = v_new;
   } else if (fresh) {
-    const int64_t n = kv_heads * fresh * dim;
-    rounded.resize(static_cast<size_t>(2 * n));
-    for (int64_t i = 0; i < n; ++i) {
-      rounded[i] = static_cast<T>(k_new[i]);
-      rounded[n + i] = static_cast<T>(v_new[i]);
-    }
-    own_k = rounded.data(), own_v = rounded.data() + n;
+    const int64_t n = kv_heads * fresh;
+    rounded.resize(static_cast<size_t>(2 * n * dim));
+    round_as_stored<T>(k_new, n, dim, rounded.data());
+    round_as_stored<T>(v_new, n, dim, rounded.data() + n * dim);
+    own_k = rounded.data(), own_v = rounded.data() + n * dim;
   }
   const int64_t chunks = (keys + kChunk - 1) / kChunk;
-  const Call<T> call{q,    k_cache, v_cache, own_k, own_v, mask, q_rows, dim,
-                     rows, keys,    keys - fresh, fresh, slots, chunks};
+  const Call<T, O> call{q,    k_cache, v_cache, own_k, own_v, mask, q_rows, dim,
+                        rows, keys,    keys - fresh, fresh, slots, chunks};
   attend(call, kv_heads, out, by_rows);
 }
 

@@ -14,7 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edgemtp.model.primitives import Segments, apply_rope, gelu_tanh
+from edgemtp.model.primitives import (
+    SCALE_BYTES,
+    Segments,
+    apply_rope,
+    as_stored,
+    gelu_tanh,
+    read_rows,
+    stored_rows,
+)
 from edgemtp.quantize.q4_0 import Q4_0, dequantize_q4_0, q8_0_rows, unnibble_q4_0
 
 KERNEL_MAX_ROWS = 8  # calls of more rows (prompt chunks) run XNNPACK's batched matmuls instead
@@ -67,18 +75,18 @@ def cache_attention(
     mask: Tensor,
 ) -> Tensor:  # fmt: skip
     """`edgemtp::cache_attention` (cache_attention.cpp): q [kv_heads, group * rows, head_dim]
-    over the first `keys - new` cache slots (float32 or float16), then the new keys, `mask`
-    [rows, keys] additive."""
+    over the first `keys - new` cache slots (float32, float16 or int8 rows: `stored_rows`),
+    then the new keys, `mask` [rows, keys] additive."""
     fresh = 0 if k_new is None else k_new.shape[1]
     cached = mask.shape[1] - fresh
     if cached < k_cache.shape[1]:  # (a slice is a copy in XNNPACK: none where it is all)
         k_cache, v_cache = k_cache[:, :cached], v_cache[:, :cached]
     stored = k_cache.dtype
-    if stored != q.dtype:  # a float16 cache: widened to the activations' dtype, and the call's
-        # own keys rounded as they will be stored (a verify row sees what later steps read)
-        k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
+    if stored != q.dtype:  # a narrower cache: widened to the activations' dtype, and the
+        # call's own keys rounded as they will be stored (a verify row sees what later steps read)
+        k_cache, v_cache = read_rows(k_cache, q.dtype), read_rows(v_cache, q.dtype)
         if k_new is not None and v_new is not None:
-            k_new, v_new = k_new.to(stored).to(q.dtype), v_new.to(stored).to(q.dtype)
+            k_new, v_new = as_stored(k_new, stored), as_stored(v_new, stored)
     ks = (k_cache,) + (() if k_new is None else (k_new,))
     vs = (v_cache,) + (() if v_new is None else (v_new,))
     return segment_attention(q, ks, vs, mask, q.shape[1] // mask.shape[0])
@@ -105,6 +113,21 @@ kernel_op(
     ATTENTION_ARGUMENTS,
     cache_attention_rows,
     lambda q, k, v, k_new, v_new, mask: q.new_empty(mask.shape[0], q.numel() // mask.shape[0]),
+)
+
+
+def quantize_kv_rows(x: Tensor) -> Tensor:
+    """`edgemtp::quantize_kv_rows` (cache_attention.cpp): K or V rows [heads, rows, head_dim]
+    as an int8 cache stores them (`stored_rows`: codes, then each row's float32 scale), one
+    call where the arithmetic in standard ops ran outside the delegates, op by op."""
+    return stored_rows(x, torch.int8)
+
+
+kernel_op(
+    "quantize_kv_rows",
+    "Tensor x",
+    quantize_kv_rows,
+    lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.int8),
 )
 
 

@@ -2,9 +2,10 @@
 // arithmetic for any target, aarch64 under qemu, without ExecuTorch.
 //
 //   attention_check IN OUT
-//   IN:  int64 kv_heads, q_rows, dim, rows, keys, fresh, slots, half, by_rows;
-//        float32 q [kv_heads, q_rows, dim]; the cache k and v [kv_heads, slots, dim] (float32,
-//        or float16 bits when half); float32 k_new and v_new [kv_heads, fresh, dim];
+//   IN:  int64 kv_heads, q_rows, dim, rows, keys, fresh, slots, storage, by_rows;
+//        float32 q [kv_heads, q_rows, dim]; the cache k and v [kv_heads, slots, dim] (storage
+//        0: float32, 1: float16 bits, 2: int8 rows [kv_heads, slots, dim + 4], codes then the
+//        float32 scale); float32 k_new and v_new [kv_heads, fresh, dim];
 //        float32 mask [rows, keys]
 //   OUT: float32 out (q's shape, or [rows, kv_heads * q_rows / rows * dim] when by_rows)
 #include <cstdio>
@@ -33,7 +34,7 @@ static bool run(std::FILE* in, const int64_t* s, std::vector<float>& out) {
   const int64_t fresh = s[5], slots = s[6];
   std::vector<float> q(kv_heads * q_rows * dim), k_new(kv_heads * fresh * dim);
   std::vector<float> v_new(k_new.size()), mask(rows * keys);
-  std::vector<T> k(kv_heads * slots * dim), v(k.size());
+  std::vector<T> k(kv_heads * slots * edgemtp::attention::row_width<T>(dim)), v(k.size());
   if (!read(in, q) || !read(in, k) || !read(in, v) || !read(in, k_new) || !read(in, v_new) ||
       !read(in, mask)) {
     return false;
@@ -55,8 +56,9 @@ int main(int argc, char** argv) {
   int64_t shape[9];
   if (!in || std::fread(shape, sizeof(int64_t), 9, in) != 9) return 1;
   std::vector<float> out;
-  const bool ok = shape[7] ? run<edgemtp::attention::Float16>(in, shape, out)
-                           : run<float>(in, shape, out);
+  const bool ok = shape[7] == 2   ? run<int8_t>(in, shape, out)
+                 : shape[7] == 1 ? run<edgemtp::attention::Float16>(in, shape, out)
+                                 : run<float>(in, shape, out);
   std::fclose(in);
   if (!ok) return 1;
   std::FILE* f = std::fopen(argv[2], "wb");
