@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from edgemtp.cli.common import check_positive
 from edgemtp.errors import EdgeMTPError
+from edgemtp.model.config import KV_CACHE_KINDS
 
 if TYPE_CHECKING:
     from edgemtp.model.config import TextConfig
@@ -80,6 +81,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "in: edgemtp's own (default: Q4_0 linears, attention, norms, a float16 KV cache) or "
         "XNNPACK's only, what the stock ExecuTorch runtimes have",
     )
+    p.add_argument(
+        "--kv-cache",
+        choices=KV_CACHE_KINDS,
+        help="the KV cache's dtype: int8 (each token's K and V rows per KV head as symmetric "
+        "codes and a float32 scale: about half float16's bytes, read in place by edgemtp's "
+        "attention kernel; ExecuTorch cpu with --kernels edgemtp) or fp16 / fp32; default: "
+        "the bundle form's (fp16 with edgemtp's kernels, else fp32)",
+    )
     # --kernels' old name (the switch covers more than attention): hidden, warns when used
     p.add_argument("--attention", choices=tuple(ATTENTION), help=argparse.SUPPRESS)
     p.add_argument(
@@ -147,7 +156,7 @@ def _check_context(max_context: int, max_draft: int, cfg: TextConfig, model: Pat
             f"--max-context {max_context}: {model} attends to at most "
             f"{cfg.max_position_embeddings} positions (max_position_embeddings); use no more"
         )
-    need, have = cache_bytes(cfg, max_context, max_draft), physical_memory()
+    need, have = cache_bytes(cfg, max_context, max_draft), physical_memory()  # (as float32)
     if need > have:
         raise EdgeMTPError(
             f"--max-context {max_context}: the KV cache alone takes {need / 2**30:.2f} GiB, more "
@@ -228,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         kernels,
         args.draft_chains,
         None if args.max_memory is None else round(args.max_memory * 2**30),
+        args.kv_cache,
     )
     manifest = export(request, progress)
     size = sum(f["bytes"] for f in manifest["files"].values())

@@ -244,6 +244,7 @@ class ExportRequest:
     draft_chains: bool = False
     # bytes: refuse when the estimated peak is over it, stop the export if it holds more
     max_memory: int | None = None
+    kv_cache: str | None = None  # the KV cache's dtype (`KV_CACHE_DTYPES`); None: the form's
 
 
 def _lowerer(backend: str) -> Callable[..., Lowered]:
@@ -361,6 +362,10 @@ def export(req: ExportRequest, progress: Progress) -> dict[str, Any]:
             f"--kernels is an ExecuTorch cpu option, not {req.backend}/{req.delegate} (the "
             "other delegates run their own kernels): drop it"
         )
+    if req.kv_cache is not None:
+        from edgemtp.export.forms import form_for
+
+        form_for(req.backend, req.delegate, req.kernels or "edgemtp", req.kv_cache)  # refuses
     if req.backend == "executorch" and req.delegate == "htp":
         from edgemtp.export.executorch import qnn_sdk
 
@@ -444,7 +449,7 @@ def _write_bundle(
     if req.backend == "onnx":  # the tables: the htp delegate calibrates activations on them
         extra = {"tables": target.tables, "activations": req.activations or "int8"}
     elif (req.backend, req.delegate) == ("executorch", "cpu"):
-        extra = {"kernels": req.kernels or "edgemtp"}
+        extra = {"kernels": req.kernels or "edgemtp", "kv_cache": req.kv_cache}
     with spilling(scratch) as spill:  # the weight forms live in files while lowered
         lowered = _lowerer(req.backend)(static, req.delegate, tmp, progress, **extra)
     if spill.bytes:

@@ -37,6 +37,7 @@ from edgemtp.export.forms import COREML_DELEGATE, QNN, form_for
 from edgemtp.export.int4 import CLUSTERED_HEAD
 from edgemtp.export.lowered import Lowered, Progress
 from edgemtp.export.memory import release_spilled, releasing_spilled
+from edgemtp.model.cache import KV_CACHE_DTYPES
 from edgemtp.model.static import StaticBundle, method_io
 from edgemtp.runtime.kernels.ops import KERNEL_MAX_ROWS
 from edgemtp.runtime.runners.executorch import program_kernels
@@ -58,10 +59,12 @@ def lower_executorch(
     out_dir: Path,
     progress: Progress,
     kernels: str = "edgemtp",
+    kv_cache: str | None = None,
 ) -> Lowered:
     """Lower every method of `static` into `out_dir/model.pte` for `delegate` (`kernels`: the
-    cpu delegate's form, see `export/forms.py`)."""
-    cpu = partial(_lower_xnnpack, kernels=kernels)
+    cpu delegate's form, see `export/forms.py`; `kv_cache`: its cache's dtype, if not the
+    form's)."""
+    cpu = partial(_lower_xnnpack, kernels=kernels, kv_cache=kv_cache)
     lower = {"cpu": cpu, "htp": _lower_qnn}.get(delegate)
     if lower is None and delegate in COREML_COMPUTE_UNITS:
         lower = partial(_lower_coreml, delegate=delegate)
@@ -180,13 +183,18 @@ def write_program(manager: Any, path: Path) -> int:
 
 
 def _lower_xnnpack(
-    static: StaticBundle, out_dir: Path, progress: Progress, kernels: str = "edgemtp"
+    static: StaticBundle,
+    out_dir: Path,
+    progress: Progress,
+    kernels: str = "edgemtp",
+    kv_cache: str | None = None,
 ) -> Lowered:
     start = time.perf_counter()
-    stats = static.use_form(form_for("executorch", "cpu", kernels))
+    stats = static.use_form(form_for("executorch", "cpu", kernels, kv_cache))
     release_spilled()  # the conversion's temporaries and the forms' written pages
     stats.setdefault("int4", {})
     stats["attention"] = "kernel" if kernels == "edgemtp" else "matmul"
+    stats["kv_cache"] = next(k for k, d in KV_CACHE_DTYPES.items() if d == static.form.cache_dtype)
     programs = _export_all(static, progress)
     io = program_io(programs)
     t = time.perf_counter()
@@ -294,10 +302,18 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
         out["weights"] = "fp32 (as loaded)"
         out["activations"] = "fp32"
         out["accumulation"] = "fp32"
-    if stats.get("attention") == "kernel":
+    if stats.get("attention") == "kernel" and stats["kv_cache"] == "int8":
         out["kv_cache"] = (
-            "float16 K/V; decode, verify and draft attention in edgemtp's kernel (fp32 math, "
-            "a call's own new keys rounded to float16 as they will be stored), prefill chunks "
+            "int8 K/V: each row (token, KV head) head_dim symmetric codes then its float32 "
+            "scale (max|x| / 127), written by edgemtp::quantize_kv_rows; every attention (decode, "
+            "verify, draft, prefill chunks) in edgemtp's kernel, reading the codes in place "
+            "(fp32 math, the scale applied per key; a call's own new keys rounded as they will "
+            "be stored)"
+        )
+    elif stats.get("attention") == "kernel":
+        out["kv_cache"] = (
+            f"{stats['kv_cache']} K/V; decode, verify and draft attention in edgemtp's kernel "
+            "(fp32 math, a call's own new keys rounded as they will be stored), prefill chunks "
             "in XNNPACK's fp32 batched matmuls over the widened slots"
         )
     if stats["head"]:
@@ -312,7 +328,7 @@ def xnnpack_numerics(stats: dict[str, Any]) -> dict[str, str]:
             "edgemtp::head_norm_rope, read from the fused Q/K/V product; prompt chunks' norms "
             "as a 1-output fp32 linear (weights 1/d, bias eps) in XNNPACK"
         )
-    out["cache"] = "fp32 K/V, shared in place by every method"
+    out["cache"] = f"{stats.get('kv_cache', 'fp32')} K/V, shared in place by every method"
     return out
 
 

@@ -21,12 +21,14 @@ backend and delegate; `StaticBundle.use_form` applies it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from edgemtp.errors import EdgeMTPError
 from edgemtp.export.coreml_forms import (
     coreml_attention,
     coreml_head_logits,
@@ -48,7 +50,8 @@ from edgemtp.export.primitives import (
     pool_mean_norm,
     where_mask,
 )
-from edgemtp.model.primitives import Form, Primitives, Segments, gelu_tanh
+from edgemtp.model.cache import KV_CACHE_DTYPES
+from edgemtp.model.primitives import EVERY_CACHE_DTYPE, Form, Primitives, Segments, gelu_tanh
 from edgemtp.runtime.kernels.ops import KERNEL_MAX_ROWS, cache_attention_rows
 
 # --- edgemtp's kernels, where a step's rows are few ------------------------------------------
@@ -282,6 +285,7 @@ XNNPACK_KERNELS = Form(
     chunk=XnnpackKernelChunk(),
     prepare=partial(xnnpack_weights, kernels=True),
     cache_dtype=torch.float16,  # half the cache's bytes; the kernel widens what it reads
+    cache_dtypes=EVERY_CACHE_DTYPE,
     reads_cache_prefix=True,
 )
 COREML = Form(
@@ -291,17 +295,34 @@ COREML = Form(
 # The Core ML program's numerics in eager torch: weights, activations and cache in fp16.
 COREML_FP16 = Form(
     "coreml-fp16", CoreML(), CoreML(), partial(coreml_weights, dtype=torch.float16),
-    cache_dtype=torch.float16, cache_as_states=True,
+    cache_dtype=torch.float16, cache_dtypes=(torch.float16,), cache_as_states=True,
 )  # fmt: skip
 
 
-def form_for(backend: str, delegate: str, kernels: str = "edgemtp") -> Form:
+def form_for(
+    backend: str, delegate: str, kernels: str = "edgemtp", kv_cache: str | None = None
+) -> Form:
     """The form a backend and delegate's program computes in; `kernels` (ExecuTorch cpu):
-    "edgemtp", edgemtp's kernels for the steps, or "xnnpack", XNNPACK alone."""
+    "edgemtp", edgemtp's kernels for the steps, or "xnnpack", XNNPACK alone; `kv_cache`
+    (`KV_CACHE_DTYPES`): the cache's dtype, where the form's attention reads it (refused
+    otherwise), else the form's own."""
     if backend == "onnx":
-        return ONNX
-    if backend == "coreml":
-        return COREML
-    if delegate == "cpu":
-        return XNNPACK_KERNELS if kernels == "edgemtp" else XNNPACK
-    return COREML_DELEGATE if delegate in ("metal", "npu") else QNN
+        form = ONNX
+    elif backend == "coreml":
+        form = COREML
+    elif delegate == "cpu":
+        form = XNNPACK_KERNELS if kernels == "edgemtp" else XNNPACK
+    else:
+        form = COREML_DELEGATE if delegate in ("metal", "npu") else QNN
+    if kv_cache is None:
+        return form
+    dtype = KV_CACHE_DTYPES[kv_cache]
+    if dtype not in form.cache_dtypes:
+        kinds = [k for k, d in KV_CACHE_DTYPES.items() if d in form.cache_dtypes]
+        raise EdgeMTPError(
+            f"--kv-cache {kv_cache}: a {backend}/{delegate} bundle's attention reads its cache "
+            f"as {' or '.join(kinds)} only (its own ops take float K/V); only ExecuTorch cpu "
+            "with edgemtp's kernels (--kernels edgemtp) reads int8 K/V: drop --kv-cache or "
+            "export that"
+        )
+    return replace(form, cache_dtype=dtype, name=f"{form.name}, {kv_cache} KV cache")

@@ -200,6 +200,8 @@ class Form:
     chunk: Primitives
     prepare: Callable[[nn.Module], dict[str, Any]] = keep_weights
     cache_dtype: torch.dtype = torch.float32
+    # Every dtype its attention reads a cache in (`stored_rows`): `cache_dtype` and others.
+    cache_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     # Attention reads a context bucket's slots off the whole cache buffer (the mask's width
     # says how many), so the cache hands out its buffers unsliced.
     reads_cache_prefix: bool = False
@@ -208,7 +210,8 @@ class Form:
     cache_as_states: bool = False
 
 
-REFERENCE_FORM = Form("reference", REFERENCE, REFERENCE)
+EVERY_CACHE_DTYPE = (torch.float32, torch.float16, torch.int8)
+REFERENCE_FORM = Form("reference", REFERENCE, REFERENCE, cache_dtypes=EVERY_CACHE_DTYPE)
 
 
 def apply_form(models: list[nn.Module], form: Form) -> dict[str, Any]:

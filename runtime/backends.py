@@ -134,6 +134,10 @@ class ReferenceBackend:
                 f"--kv-cache {kv_cache}: unknown (choose {', '.join(KV_CACHE_DTYPES)})"
             )
         dtype = KV_CACHE_DTYPES[kv_cache] if kv_cache else self.form.cache_dtype
+        if dtype not in self.form.cache_dtypes:
+            raise EdgeMTPError(
+                f"--kv-cache {kv_cache}: the {self.form.name} form's attention does not read it"
+            )
         self.cache = KVCache(cfg, self.max_context, self.max_draft, dtype)
         self.rings = RingTracker(self.cache.slots, cfg.sliding_window)
         self.meter = Meter()

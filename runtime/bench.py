@@ -407,7 +407,8 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def bundle_info(bundle: Path, session_info: dict[str, Any]) -> dict[str, Any]:
-    """The bundle's identity: the SHA-256 of its manifest, which holds every file's SHA-256."""
+    """The bundle's identity: the SHA-256 of its manifest, which holds every file's SHA-256;
+    and the KV cache its programs keep."""
     from edgemtp.runtime.bundle import MANIFEST
 
     folder = Path(bundle).resolve()
@@ -415,7 +416,7 @@ def bundle_info(bundle: Path, session_info: dict[str, Any]) -> dict[str, Any]:
     files = [p for p in folder.rglob("*") if p.is_file()]
     # a folder called "bundle" (as `edgemtp demo` caches it) is named by its parent
     name = folder.name if folder.name != "bundle" else f"{folder.parent.name}/bundle"
-    return {
+    out = {
         "path": str(bundle),
         "name": name,
         "sha256": hashlib.sha256(manifest.read_bytes()).hexdigest(),
@@ -426,6 +427,12 @@ def bundle_info(bundle: Path, session_info: dict[str, Any]) -> dict[str, Any]:
         "max_context": session_info.get("shapes", {}).get("max_context"),
         "max_draft": session_info.get("shapes", {}).get("max_draft"),
     }
+    if "kv_cache_bytes" in session_info:  # (an app's runtime reports none)
+        out["kv_cache"] = {
+            "dtype": session_info["kv_cache"],
+            "bytes": session_info["kv_cache_bytes"],
+        }
+    return out
 
 
 def result_document(

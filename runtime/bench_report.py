@@ -62,6 +62,10 @@ def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _kv_cache(kv: dict[str, Any] | None) -> str:
+    return "-" if kv is None else f"{kv['dtype']} {kv['bytes'] / 2**20:.2f} MiB"
+
+
 def table_rows(doc: dict[str, Any]) -> list[list[str]]:
     bundle, machine = doc["bundle"], doc["machine"]
     predicted = {(p["test"], p["depth"]): p for p in (doc.get("predictions") or {}).get("rows", [])}
@@ -84,6 +88,7 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
             [
                 f"{bundle['name']} ({bundle['quantization']})",
                 f"{bundle['bytes'] / 2**20:.1f} MiB",
+                _kv_cache(bundle.get("kv_cache")),
                 f"{bundle['backend']}/{bundle['delegate']}",
                 machine.get("device") or machine["cpu"],
                 str(machine["threads"]),
@@ -108,6 +113,7 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
 HEADER = [
     "model",
     "size",
+    "kv cache",
     "backend",
     "machine",
     "threads",

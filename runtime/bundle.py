@@ -23,7 +23,7 @@ from typing import Any
 
 from edgemtp import __version__
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.config import TextConfig
+from edgemtp.model.config import KV_CACHE_KINDS, TextConfig
 from edgemtp.model.safetensors_file import SafetensorsFile
 from edgemtp.model.tables import Rows, TokenTables
 
@@ -150,3 +150,20 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
         ) from None
     check_manifest(manifest, path)
     return manifest
+
+
+def kv_cache_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The KV cache a bundle's programs keep: its dtype (`KV_CACHE_KINDS`' names) and bytes
+    (every K/V buffer, trash slots included; an int8 cache's row scales too), from the
+    manifest's cache buffers."""
+    import math
+
+    import numpy as np
+
+    buffers = [b for b in manifest["cache"]["buffers"] if b["name"][0] in "kv"]
+    kinds = {KV_CACHE_KIND_OF.get(b["dtype"], b["dtype"]) for b in buffers}
+    nbytes = sum(math.prod(b["shape"]) * np.dtype(b["dtype"]).itemsize for b in buffers)
+    return {"dtype": "/".join(sorted(kinds)), "bytes": int(nbytes)}
+
+
+KV_CACHE_KIND_OF = dict(zip(("float32", "float16", "int8"), KV_CACHE_KINDS, strict=True))

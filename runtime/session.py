@@ -67,6 +67,7 @@ class Session:
         from edgemtp.model.static import StaticShapes
         from edgemtp.runtime.bundle import (
             SCHEMA_VERSION,
+            kv_cache_of,
             open_tables,
             read_manifest,
             verify_files,
@@ -102,6 +103,8 @@ class Session:
             "shapes": manifest["shapes"],
             "weight_cache": getattr(runner, "weight_cache", None),
         }
+        kv = kv_cache_of(manifest)
+        info["kv_cache"], info["kv_cache_bytes"] = kv["dtype"], kv["bytes"]
         return cls(StaticBackend(runner, tables, cfg, name=backend), tokenizer, stop, info)
 
     @classmethod
@@ -135,6 +138,7 @@ class Session:
         stop = (*target.cfg.eos_token_ids, *(tokenizer.extra_stop_ids if tokenizer else ()))
         info = {"model": str(model), "backend": "reference", "delegate": "cpu"}
         info["kv_cache"] = kv_cache or "fp32"
+        info["kv_cache_bytes"] = backend.cache.nbytes()
         return cls(backend, tokenizer, stop, info)
 
     # --- generating ----------------------------------------------------------------------------

@@ -3,17 +3,27 @@ the engine over it against a float engine whose cache holds the same rounded val
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from oracle_int8 import numpy_int8, numpy_int8_rows
 
 from edgemtp.cli import main
+from edgemtp.export.forms import form_for
+from edgemtp.export.weights import attach_int4
 from edgemtp.model.cache import KVCache, cache_bytes
+from edgemtp.model.embedded import ASSISTANT, PROMPTS, TARGET
 from edgemtp.model.primitives import Form, Primitives, quantize_kv, read_rows, stored_rows
+from edgemtp.quantize.checkpoint import Settings, quantize_checkpoint
 from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.backends import ReferenceBackend
 from edgemtp.runtime.generate import FixedDepth, decode, generate
+from edgemtp.runtime.session import Session
+from edgemtp.runtime.tokenizer import load_tokenizer
 
 
 def test_quantize_kv_matches_numpy():
@@ -128,3 +138,79 @@ def test_kv_cache_flag(tiny_q4_0_pair, tmp_path, capsys):
         .err.strip()
         .endswith("--kv-cache is for --model; a bundle carries its own")
     )
+
+
+# --- bundles: ExecuTorch cpu with edgemtp's kernels keeps int8 K/V ------------------------------
+
+
+@pytest.fixture(scope="module")
+def int8_bundle(tmp_path_factory) -> Path:
+    """The embedded pair exported with `--kv-cache int8` (Q4_0, ExecuTorch cpu, edgemtp's
+    kernels): a trained pair, whose greedy picks are not near-ties at every step."""
+    out = tmp_path_factory.mktemp("int8-kv") / "bundle"
+    argv = ["export", "--model", str(TARGET), "--drafter", str(ASSISTANT), "--quant", "q4_0"]
+    argv += ["--backend", "executorch", "--delegate", "cpu", "--max-context", "256"]
+    assert main([*argv, "--kv-cache", "int8", "--out", str(out)]) == 0
+    return out
+
+
+def test_int8_bundle_decodes_the_reference_engines_tokens(int8_bundle, tmp_path):
+    """The bundle's programs keep int8 rows (codes, then a float32 scale) and read them in
+    place: greedy AR equals, token for token, the reference engine computing the program's
+    numerics over its own int8 cache; MTP equals AR, the drafter reading the same cache."""
+    manifest = json.loads((int8_bundle / "manifest.json").read_text())
+    assert manifest["numerics"]["kv_cache"].startswith("int8 K/V")
+    cfg = load_target(TARGET).cfg
+    kv = [b for b in manifest["cache"]["buffers"] if b["name"][0] in "kv"]
+    assert kv and all(b["dtype"] == "int8" for b in kv)
+    assert {b["shape"][2] for b in kv} == {s.head_dim + 4 for s in cfg.layers if s.owns_kv}
+    session = Session.from_bundle(int8_bundle, verify=False)
+    assert session.info["kv_cache"] == "int8"
+    elements = sum(math.prod(b["shape"]) for b in kv)  # int8: one byte each
+    assert session.info["kv_cache_bytes"] == elements
+    half = sum(2 * b["shape"][0] * b["shape"][1] * (b["shape"][2] - 4) for b in kv)
+    assert elements / half < 0.53  # about half float16's bytes (head dims 64+: 4 bytes a scale)
+
+    settings = Settings(scheme="q4_0", group_size=32)
+    for role, path in (("target", TARGET), ("assistant", ASSISTANT)):
+        quantize_checkpoint(path, tmp_path / role, settings)  # as the export quantized them
+    target = load_target(tmp_path / "target")
+    drafter = load_drafter(tmp_path / "assistant", target.cfg)
+    form = form_for("executorch", "cpu", "edgemtp", "int8")
+    for model in (target, drafter):
+        attach_int4(model.model, model.source, model.names)
+        model.use_form(form)
+    reference = Session(
+        ReferenceBackend(target, drafter, max_context=256, prefill_chunk=128, kv_cache="int8")
+    )
+    tokenizer = load_tokenizer(TARGET)
+    for text in json.loads(PROMPTS.read_text())[:2]:
+        ids = tokenizer.encode_prompt(text)
+        want = reference.generate(ids, 32, mtp=0, stop_ids=())
+        reference.reset()
+        got = session.generate(ids, 32, mtp=0, stop_ids=())
+        session.reset()
+        assert got.tokens == want.tokens
+        mtp = session.generate(ids, 32, mtp=3, stop_ids=())
+        session.reset()
+        assert mtp.tokens == got.tokens
+        # drafts from the int8 cache the target wrote (over an empty one they would miss)
+        assert mtp.metrics()["acceptance_rate"] > 0.5
+
+
+@pytest.mark.parametrize(
+    ("flags", "reads"),
+    [
+        (["--backend", "onnx"], "fp32"),
+        (["--backend", "executorch", "--kernels", "xnnpack"], "fp32"),
+    ],
+)
+def test_a_bundle_whose_attention_takes_float_kv_refuses_int8(
+    tiny_q4_0_pair, tmp_path, capsys, flags, reads
+):
+    out = tmp_path / "bundle"
+    argv = ["export", "--model", str(tiny_q4_0_pair[0]), *flags, "--delegate", "cpu"]
+    assert main([*argv, "--kv-cache", "int8", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "reads its cache as fp32 only" in err
+    assert "--kernels edgemtp" in err and not out.exists()

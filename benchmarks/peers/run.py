@@ -198,16 +198,18 @@ def edgemtp_commit_of(python: str) -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def setup_baseline(work: Path, gguf: Path, python: str) -> Path:
-    """The bundle the baseline edgemtp exports from the same GGUF, with the same flags."""
-    bundle = work / "edgemtp-baseline-q4_0-executorch"
-    stamp = work / "edgemtp-baseline-q4_0-executorch.commit"
-    commit = edgemtp_commit_of(python)
+def setup_variant(work: Path, gguf: Path, python: str, name: str, flags: list[str]) -> Path:
+    """A bundle of the same GGUF with the same flags and `flags`, exported by the edgemtp
+    `python` imports (the baseline's; or this one's, with another option)."""
+    bundle = work / f"{name}-q4_0-executorch"
+    stamp = work / f"{name}-q4_0-executorch.commit"
+    commit = edgemtp_commit_of(python) + " ".join(["", *flags])
     fresh = stamp.is_file() and stamp.read_text() == commit
     if not (bundle / "manifest.json").is_file() or not fresh:
         run([python, "-m", "edgemtp.cli", "export", "--model", str(gguf), "--quant", "auto",
              "--backend", "executorch", "--delegate", "cpu", "--max-context", "4096",
-             "--prefill-chunk", "128", "--out", str(bundle), "--force"], stream=True)  # fmt: skip
+             "--prefill-chunk", "128", *flags, "--out", str(bundle), "--force"],
+            stream=True)  # fmt: skip
         stamp.write_text(commit)
     return bundle
 
@@ -259,6 +261,7 @@ def edgemtp_child(bundle: Path, threads: int) -> dict[str, Any]:
     session.reset()
     tg = session.generate([2], TG + 1, mtp=0, stop_ids=()).metrics()
     out[f"tg{TG}"] = tg["decode_tok_s"]
+    out["kv_cache_bytes"] = session.info.get("kv_cache_bytes")  # (None: an older edgemtp)
     # The Python host's share of the decode step, from the runtime's own phase meter in this
     # very run: embedding lookups, sampling and the loop, against the whole step.
     phases = tg["decode_seconds_by_phase"]
@@ -378,6 +381,8 @@ def measure(
             python, child = sys.executable, system
             if system == BASELINE:  # another edgemtp, in its own interpreter
                 python, child = baseline or sys.executable, "edgemtp"
+            if system == INT8_KV:
+                child = "edgemtp"
             cmd = [python, __file__, "--child", child, str(paths[CHILD_INPUT[system]])]
             runs[system].append(json.loads(run([*cmd, "--threads", str(threads)])))
     return runs
@@ -390,8 +395,10 @@ CHILDREN = {
     "transformers": transformers_child,
 }
 BASELINE = "edgemtp-baseline"
+INT8_KV = "edgemtp-int8-kv"  # the same export with --kv-cache int8
 CHILD_INPUT = {"edgemtp": "bundle", "executorch-example": "et_pte", "transformers": "checkpoint"}
 CHILD_INPUT[BASELINE] = "baseline_bundle"
+CHILD_INPUT[INT8_KV] = "int8_kv_bundle"
 
 KEYS = [f"pp{n}" for n in PROMPTS] + [f"tg{TG}"] + [f"ms_at_{d}" for d in DEPTHS]
 
@@ -459,6 +466,21 @@ def report(result: dict) -> str:
             f"({result.get('baseline_commit', '?')[:12]}) "
             + _paired(result, "edgemtp", BASELINE, [f"pp{n}" for n in PROMPTS] + [f"tg{TG}"])
         )
+    if INT8_KV in med and "edgemtp" in med:
+        a, b = med[INT8_KV], med["edgemtp"]
+        kv = {s: result["runs"][s][0].get("kv_cache_bytes") for s in (INT8_KV, "edgemtp")}
+        lines += [
+            "",
+            f"int8 KV cache: decode @1800 / @16 {a['ms_at_1800'] / a['ms_at_16']:.2f} (float16 "
+            f"{b['ms_at_1800'] / b['ms_at_16']:.2f}); KV cache "
+            f"{kv[INT8_KV] / 2**20:.2f} MiB (float16 {kv['edgemtp'] / 2**20:.2f} MiB, "
+            f"{kv[INT8_KV] / kv['edgemtp']:.3f}x)",
+            "",
+            "Per repeat, then the median (range): int8 / float16 KV cache "
+            + _paired(result, INT8_KV, "edgemtp", [f"pp{n}" for n in PROMPTS] + [f"tg{TG}"])
+            + "; ms/token "
+            + _paired(result, INT8_KV, "edgemtp", [f"ms_at_{d}" for d in DEPTHS]),
+        ]
     if "executorch-example" in med and "edgemtp" in med:
         ratio = med["edgemtp"]["tg128"] / med["executorch-example"]["tg128"]
         lines.append(f"\nedgemtp / ExecuTorch's example: tg128 {ratio:.2f}x")
@@ -512,8 +534,15 @@ def main() -> None:
     parser.add_argument(
         "--isa", choices=list(LLAMA_ISA), default="native", help="instruction sets both may use"
     )
+    parser.add_argument(
+        "--kv-cache-int8",
+        action="store_true",
+        help=f"also measure {INT8_KV}: the same bundle exported with --kv-cache int8",
+    )
     args = parser.parse_args()
     stem = RESULTS / ("peers-baseline" if args.baseline else "peers")
+    if args.kv_cache_int8:
+        stem = stem.with_name(f"{stem.name}-kv-int8")
     if args.isa != "native":
         stem = stem.with_name(f"{stem.name}-{args.isa}")
         os.environ["EDGEMTP_KERNELS_ISA"] = EDGEMTP_ISA[args.isa]  # the children inherit it
@@ -532,8 +561,15 @@ def main() -> None:
         paths["et_pte"] = setup_executorch_example(args.work, paths["checkpoint"])
     systems = list(args.systems)
     if args.baseline:
-        paths["baseline_bundle"] = setup_baseline(args.work, paths["gguf"], args.baseline)
+        paths["baseline_bundle"] = setup_variant(
+            args.work, paths["gguf"], args.baseline, BASELINE, []
+        )
         systems.insert(systems.index("edgemtp") + 1 if "edgemtp" in systems else 0, BASELINE)
+    if args.kv_cache_int8:
+        paths["int8_kv_bundle"] = setup_variant(
+            args.work, paths["gguf"], sys.executable, INT8_KV, ["--kv-cache", "int8"]
+        )
+        systems.insert(systems.index("edgemtp") + 1 if "edgemtp" in systems else 0, INT8_KV)
     runs = measure(paths, systems, args.repeats, args.threads, args.baseline)
     result = {
         "command": "python " + " ".join(sys.argv),
