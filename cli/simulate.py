@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from edgemtp.cli.common import check_positive
 from edgemtp.errors import EdgeMTPError
+from edgemtp.model.config import KV_CACHE_KINDS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", choices=("q4_0", "w4a16"), default="q4_0", help="with --preset")
     p.add_argument("--max-context", type=int, default=4096, help="with --preset")
     p.add_argument("--prefill-chunk", type=int, default=128, help="with --preset")
+    p.add_argument(
+        "--kv-cache",
+        choices=KV_CACHE_KINDS,
+        help="with --preset: the KV cache's dtype (default fp32; a bundle's is its own)",
+    )
     p.add_argument("--device", required=True, help="a device profile name or .toml file")
     p.add_argument("--delegate", required=True, choices=("cpu", "gpu", "metal", "npu", "htp"))
     p.add_argument(
@@ -37,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--gen", type=int, default=128, help="generated tokens")
+    p.add_argument(
+        "--engine",
+        help="price with the rates fitted to published figures (devices/fitted.json) as this "
+        "engine achieves them: litert-lm, llama.cpp, coreml-port; 'profile': the profile's own "
+        "numbers (default: litert-lm for a --preset where the delegate is fitted, else profile)",
+    )
     p.add_argument("--json", action="store_true", help="print the prediction as one JSON object")
 
 
@@ -56,8 +69,10 @@ def _acceptance(text: str, depth: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from edgemtp.devices.fit import REFERENCE_ENGINE, fitted_rates
     from edgemtp.devices.profiles import load_profile
     from edgemtp.devices.simulator import model_from_bundle, model_from_preset, simulate
+    from edgemtp.model.cache import KV_CACHE_DTYPES
     from edgemtp.model.static import auto_context_buckets
 
     try:
@@ -67,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--prompt", args.prompt), ("--gen", args.gen)):
         check_positive(flag, value)
     device = load_profile(args.device)
+    if args.bundle is not None and args.kv_cache is not None:
+        raise EdgeMTPError("--kv-cache is for --preset; a bundle's cache is its own")
     if args.bundle is not None:
         model = model_from_bundle(args.bundle)
         if args.mtp is None and model.drafter is not None:
@@ -79,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
         model = model_from_preset(
             args.preset, args.quant, args.max_context, args.prefill_chunk, max(depths), buckets
         )
+        if args.kv_cache is not None:
+            itemsize = KV_CACHE_DTYPES[args.kv_cache].itemsize
+            model = replace(model, cache_itemsize=itemsize)
+    rates = None
+    engine = args.engine or ("profile" if args.bundle is not None else REFERENCE_ENGINE)
+    if engine != "profile" and args.delegate in device.delegates:
+        rates = fitted_rates(device, args.delegate, engine)
     result = simulate(
         model,
         device,
@@ -87,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         _acceptance(args.acceptance, max(depths)),
         args.prompt,
         args.gen,
+        rates,
     )
     if args.json:
         print(json.dumps(result.as_json()))
@@ -111,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         + f"; peak memory {result.peak_memory_mb:.0f} MB"
     )
     print(
-        f"assumptions: {a['compute_dtype']} compute, {a['dispatch']}, {a['launches']}; "
+        f"assumptions: {a['numbers']}; {a['compute_dtype']} compute, {a['dispatch']}, "
+        f"{a['launches']}; "
         f"acceptance {a['acceptance']}; {len(a['estimated_profile_numbers'])} profile "
         "numbers are estimates (--json lists them)"
     )

@@ -73,6 +73,10 @@ What the fields mean (the simulator relies on these definitions):
     `host_*`, the attention numbers and `peak_tops` as the kernels of backend Y (executorch,
     onnx, coreml) run on this unit, where they were measured apart; a bundle of backend Y is
     priced with them.
+  - `few_rows_tops` (never in a TOML file): the throughput a linear on one row achieves, where it
+    is not `peak_tops`' (a GEMV's kernel unpacks every weight for one row); on a verify's few
+    rows the first pays it and the others `peak_tops`. Only rates fitted to published figures
+    set it (`devices/fit.py`); absent: `peak_tops`.
   - `host_call_us`, `host_ns_per_logit`, `host_us_per_row` (optional): the runtime host's own
     time around each program call (gathering table rows, building inputs, the decode loop), per
     logit it chooses a token from, and per row a call carries beyond its first (a prefill
@@ -151,6 +155,7 @@ class DelegateProfile:
     ns_per_linear_element: float | None = None
     ns_per_gemv_element: float | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)
+    few_rows_tops: float | None = None  # fitted rates only (devices/fit.py)
 
     def for_backend(self, backend: str | None) -> DelegateProfile:
         """This unit as a bundle of `backend` sees it: its kernels' bandwidth, throughput and

@@ -9,7 +9,10 @@ its launches (counted from the bundle's program on a "kernel" delegate; one on a
               + scores x time per score + elements non-matmul kernels write x time per element
               + launches x dispatch cost + host cost per call and per logit chosen from
 
-Prefill runs chunk by chunk, pruned as the exported methods are. A decode round at depth k costs
+Prefill runs chunk by chunk, pruned as the exported methods are (or not, for other engines'
+published figures). A shipped phone profile holds hardware specifications; what a runtime really
+achieves on it (bandwidth, throughput, launch costs, an engine's factor) is fitted to published
+figures by `devices/fit.py` and passed in as `Rates`. A decode round at depth k costs
 k drafter steps plus a verify of k + 1 rows and commits E_k = 1 + sum_{j<=k} prod_{i<=j} a_i
 tokens on average (a_i: per-position acceptance, measured or a mean with a decay); decode speed
 is E_k / round time at the middle of the generated span. Energy is (idle + active power) x time.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +86,14 @@ class Model:
     # decode, verify and draft attention reads only the keys attended (edgemtp's kernel,
     # `edgemtp::cache_attention_rows`), not every slot of the method's cache
     attended_keys_only: bool = False
-    cache_itemsize: int = 4  # bytes per K/V element the program stores (float16: 2)
+    cache_itemsize: int = 4  # bytes per K/V element the program stores (float16: 2, int8: 1)
     # bits per linear weight the decode, verify and draft steps read where they run another form
     # than prefill: edgemtp's Q4_0 kernel reads the checkpoint's blocks (`kernel_step_bits`)
     step_bits_read: float | None = None
+    # published figures of other engines: a prefill that runs every layer on every row, and a
+    # cache that grows with the prompt (each call reads the keys before it, once)
+    pruned_prefill: bool = True
+    dynamic_cache: bool = False
 
     @property
     def shapes(self) -> StaticShapes:
@@ -100,6 +107,11 @@ class Model:
             window = self.target.sliding_window
             return {k: min(end, window if k == "sliding" else n) for k, n in slots.items()}
         return static_cache_keys(slots, None if end is None else self.shapes.bucket(end))
+
+    def dynamic_keys(self, start: int) -> dict[str, int]:
+        """Keys before row `start` per attention kind, in a cache that holds only those."""
+        window = self.target.sliding_window
+        return {"sliding": min(start, window), "full": start}
 
     def prefill(self, final: bool, end: int) -> tuple[str, dict[str, int]]:
         """The prefill method a chunk of rows ending before `end` runs, and the cache keys it
@@ -233,6 +245,15 @@ class Terms:
     def __add__(self, other: Terms) -> Terms:
         return Terms(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
+    def slower(self, factor: float) -> Terms:
+        """The same work taking `factor` times as long (an engine's factor)."""
+        if factor == 1.0:
+            return self
+        return replace(self, seconds=self.seconds * factor, memory_s=self.memory_s * factor,
+                       compute_s=self.compute_s * factor, dispatch_s=self.dispatch_s * factor,
+                       host_s=self.host_s * factor, scores_s=self.scores_s * factor,
+                       elements_s=self.elements_s * factor)  # fmt: skip
+
 
 def call_terms(
     work: Work,
@@ -272,11 +293,18 @@ def call_terms(
     few_rows = work.few_rows_bytes / (bandwidth * 1e9)
     kv_bandwidth = unit.attention_bandwidth_gbs or unit.memory_bandwidth_gbs
     kv = work.cache_bytes / (kv_bandwidth * 1e9)
+    tops = unit.peak_tops[dtype]
     attention_dtype = ACTIVATION_DTYPE.get(unit.name, "fp16")
     if attention_dtype not in unit.peak_tops:
         attention_dtype = max(unit.peak_tops, key=unit.peak_tops.__getitem__)
     linear = work.flops - work.attention_flops - work.few_rows_flops
-    linear = linear / (unit.peak_tops[dtype] * 1e12)
+    if unit.few_rows_tops and 1 <= work.rows <= VERIFY_ROWS:
+        # a few-row kernel (fitted apart) unpacks each weight once, for its first row; each
+        # further row costs what a GEMM's does
+        first = linear / work.rows
+        linear = first / (unit.few_rows_tops * 1e12) + (linear - first) / (tops * 1e12)
+    else:
+        linear = linear / (tops * 1e12)
     linear += work.linear_elements * (unit.ns_per_linear_element or 0.0) * 1e-9
     linear += float_flops / (unit.peak_tops[attention_dtype] * 1e12)
     few_rows_linear = work.few_rows_flops / (unit.peak_tops[dtype] * 1e12)
@@ -346,6 +374,92 @@ def _kernel_counts(model: Model, method: str) -> tuple[int, int, int, int, int, 
     )
 
 
+@dataclass(frozen=True)
+class Rates:
+    """What a runtime achieves on one delegate of a device (fitted to published figures,
+    `devices/fit.py`): the unit's rates and launch costs, and the engine's factor on time."""
+
+    unit: DelegateProfile
+    engine: str
+    engine_factor: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """One program call, before pricing: its work, launches and kernel counts, the rows the
+    host feeds it and the rows it chooses a token from."""
+
+    work: Work
+    launches: int
+    counts: tuple[int, int, int, int, int, int]
+    rows: int
+    logits: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every call a prompt and a decode round at each depth make: what `price` prices on any
+    unit (the fit prices one plan under many rates)."""
+
+    prefill: tuple[Call, ...]
+    draft: Call | None
+    verify: dict[int, Call]
+    middle: int  # the decode position priced: the middle of the generated span
+    vocab: int  # rows a token is chosen from
+
+
+def plan_calls(model: Model, depths: tuple[int, ...], prompt: int, gen: int) -> Plan:
+    """The calls a prompt of `prompt` tokens takes, chunk by chunk, and one decode round at each
+    depth (a drafter step, a verify) in the middle of `gen` generated tokens."""
+    cfg, layers = model.target, model.target.num_layers
+    prefill = []
+    for start, end in prefill_chunks(prompt, model.chunk):
+        rows = range(start, end)
+        last = end == prompt
+        method, keys = model.prefill(last, end)
+        if model.dynamic_cache:
+            keys = model.dynamic_keys(start)
+        shared = int(last) if model.pruned_prefill else len(rows)
+        work = forward_work(cfg, rows, shared, int(last), model.bits, keys, model.cache_itemsize)
+        owned = layers if (last or not model.pruned_prefill) else cfg.first_shared_layer
+        launches = _launches(model, method, owned)
+        prefill.append(Call(work, launches, _kernel_counts(model, method), len(rows), int(last)))
+
+    middle = prompt + gen // 2
+    draft = None
+    if model.drafter is not None:
+        keys = model.dynamic_keys(middle) if model.dynamic_cache else model.cache_keys(middle)
+        step = draft_work(
+            model.drafter, cfg, middle, model.step_bits, keys, model.full_drafter_head,
+            model.cache_itemsize,
+        )  # fmt: skip
+        n = model.drafter.text.num_layers
+        launches = _launches(model, "draft_step", n)
+        draft = Call(step, launches, _kernel_counts(model, "draft_step"), 1, 1)
+    verify = {}
+    for k in depths:
+        method, rows = model.verify(k)
+        if model.dynamic_cache:
+            keys = model.dynamic_keys(middle)
+        else:
+            keys = model.cache_keys(middle + rows, rows)
+        span = range(middle, middle + rows)
+        work = forward_work(cfg, span, rows, rows, model.step_bits, keys, model.cache_itemsize)
+        launches = _launches(model, method, layers)
+        verify[k] = Call(work, launches, _kernel_counts(model, method), k + 1, k + 1)
+    return Plan(tuple(prefill), draft, verify, middle, cfg.vocab_size)
+
+
+def price(call: Call, unit: DelegateProfile, dtype: str, vocab: int, factor: float = 1.0) -> Terms:
+    """One call on `unit`: its kernels (`call_terms`) and the host's time around it (per call,
+    per row beyond the first, per logit row chosen from), times the engine's `factor`."""
+    host = (unit.host_call_us or 0.0) + (call.rows - 1) * (unit.host_us_per_row or 0.0)
+    host = host * 1e-6 + call.logits * (unit.host_ns_per_logit or 0.0) * 1e-9 * vocab
+    terms = call_terms(call.work, unit, dtype, call.launches, *call.counts) + _host(host)
+    return terms.slower(factor)
+
+
 def simulate(
     model: Model,
     device: DeviceProfile,
@@ -354,7 +468,10 @@ def simulate(
     acceptance: Acceptance,
     prompt: int,
     gen: int,
+    rates: Rates | None = None,
 ) -> Prediction:
+    """Prefill, decode at each depth, energy and memory of `model` on a delegate of `device`:
+    with the profile's own numbers, or, given `rates`, with what a runtime achieves there."""
     if delegate not in device.delegates:
         raise EdgeMTPError(
             f"{device.name} has no '{delegate}' delegate in its profile (it has "
@@ -372,61 +489,26 @@ def simulate(
             f"--prompt {prompt} + --gen {gen} do not fit the context of {model.max_context}"
         )
     unit = device.delegates[delegate].for_backend(model.backend)
+    factor = 1.0
+    if rates is not None:
+        unit, factor = rates.unit, rates.engine_factor
     dtype = compute_dtype(unit, delegate, model.quant)
-    cfg, bits = model.target, model.bits
-    layers = cfg.num_layers
+    cfg = model.target
+    plan = plan_calls(model, depths, prompt, gen)
 
-    host_call = (unit.host_call_us or 0.0) * 1e-6
-    host_row = (unit.host_us_per_row or 0.0) * 1e-6  # each row of a call beyond its first
-    choose = (unit.host_ns_per_logit or 0.0) * 1e-9 * cfg.vocab_size  # one row's token
-
-    prefill = _host(choose)
-    for start, end in prefill_chunks(prompt, model.chunk):
-        rows = range(start, end)
-        last = end == prompt
-        method, keys = model.prefill(last, rows.stop)
-        work = forward_work(cfg, rows, int(last), int(last), bits, keys, model.cache_itemsize)
-        owned = layers if last else cfg.first_shared_layer
-        launches, counts = _launches(model, method, owned), _kernel_counts(model, method)
-        host = host_call + (len(rows) - 1) * host_row
-        prefill += call_terms(work, unit, dtype, launches, *counts) + _host(host)
+    prefill = Terms()
+    for call in plan.prefill:
+        prefill += price(call, unit, dtype, plan.vocab, factor)
     prefill_s = prefill.seconds
-
-    middle = prompt + gen // 2
+    middle = plan.middle
     terms = {"prefill": prefill}
-    draft = Terms()
-    if model.drafter is not None:
-        head = model.full_drafter_head
-        step = draft_work(
-            model.drafter,
-            cfg,
-            middle,
-            model.step_bits,
-            model.cache_keys(middle),
-            head,
-            model.cache_itemsize,
-        )
-        n = model.drafter.text.num_layers
-        launches, counts = _launches(model, "draft_step", n), _kernel_counts(model, "draft_step")
-        draft = call_terms(step, unit, dtype, launches, *counts)
-        terms["draft_step"] = draft = draft + _host(host_call + choose)
-    draft_s = draft.seconds
+    draft_s = 0.0
+    if plan.draft is not None:
+        terms["draft_step"] = price(plan.draft, unit, dtype, plan.vocab, factor)
+        draft_s = terms["draft_step"].seconds
     round_s: dict[int, float] = {}
     for k in depths:
-        method, rows = model.verify(k)
-        keys = model.cache_keys(middle + rows, rows)
-        verify = forward_work(
-            cfg,
-            range(middle, middle + rows),
-            rows,
-            rows,
-            model.step_bits,
-            keys,
-            model.cache_itemsize,
-        )
-        counts = _kernel_counts(model, method)
-        call = call_terms(verify, unit, dtype, _launches(model, method, layers), *counts)
-        terms[f"verify_{k}"] = call + _host(host_call + k * host_row + (k + 1) * choose)
+        terms[f"verify_{k}"] = price(plan.verify[k], unit, dtype, plan.vocab, factor)
         round_s[k] = terms[f"verify_{k}"].seconds + k * draft_s
     expected = {k: acceptance.expected_tokens(k) for k in depths}
     decode = {k: expected[k] / round_s[k] for k in depths}
@@ -457,10 +539,15 @@ def simulate(
             "compute_dtype": dtype,
             "memory_bandwidth_gbs": unit.memory_bandwidth_gbs,
             "peak_tops": unit.peak_tops[dtype],
-            "numbers": f"the profile's {model.backend} section for {delegate}"
+            "numbers": rates.source
+            if rates is not None
+            else f"the profile's {model.backend} section for {delegate}"
             if model.backend in device.delegates[delegate].backends
             else f"the profile's {delegate} delegate",
-            "dispatch": f"{unit.call_us or 0} us per call + {unit.dispatch_us} us per "
+            "engine": f"{rates.engine}, x{rates.engine_factor:.3g} time"
+            if rates is not None
+            else "the profile's numbers as they are (no engine factor)",
+            "dispatch": f"{unit.call_us or 0:.3g} us per call + {unit.dispatch_us:.3g} us per "
             f"{unit.dispatch_unit}"
             + (f" + {unit.linear_us} us per linear kernel" if unit.linear_us else ""),
             "linear_elements": f"{unit.ns_per_linear_element} ns per activation element a "
@@ -502,6 +589,13 @@ def stored_bytes(cfg: TextConfig, drafter: AssistantConfig | None, quant: str) -
     ple = cfg.vocab_size_per_layer_input * cfg.num_layers * cfg.hidden_size_per_layer_input
     linears = linear_weights(cfg, drafter) - cfg.hidden_size * cfg.vocab_size
     return linears * BITS_PER_WEIGHT[quant] / 8 + table + ple
+
+
+def cache_itemsize(manifest: dict[str, Any]) -> int:
+    """Bytes a K/V element of the bundle's cache takes: 4, float16's 2, or int8's 1 (its rows'
+    scales counted by `kv_row_bytes`)."""
+    sizes = {"float32": 4, "float16": 2, "int8": 1}
+    return min(sizes[b["dtype"]] for b in manifest["cache"]["buffers"] if b["name"][0] in "kv")
 
 
 def model_from_bundle(bundle: Path) -> Model:
@@ -550,7 +644,7 @@ def model_from_bundle(bundle: Path) -> Model:
             {"edgemtp::cache_attention.out", "edgemtp::cache_attention_rows.out"}
             & set(manifest["backend_details"].get("kernels", []))
         ),
-        2 if any(b["dtype"] == "float16" for b in manifest["cache"]["buffers"]) else 4,
+        cache_itemsize(manifest),
         kernel_step_bits(manifest),
     )
 

@@ -42,13 +42,18 @@ def row_width(spec: LayerSpec, dtype: torch.dtype) -> int:
     return spec.head_dim + (SCALE_BYTES if dtype == torch.int8 else 0)
 
 
+def kv_row_bytes(head_dim: int, itemsize: int) -> int:
+    """Bytes of one cached K or V row of a head, `itemsize` bytes an element (1: int8 codes,
+    and the row's scale)."""
+    return head_dim * itemsize + (SCALE_BYTES if itemsize == 1 else 0)
+
+
 def cache_bytes(cfg: TextConfig, max_context: int, max_draft: int, itemsize: int = 4) -> int:
     """Bytes of K and V over every layer that owns a cache, stored in `itemsize` bytes an
     element (1: int8 rows with their scales)."""
     slots = cache_slots(cfg, max_context, max_draft)
-    dtype = {4: torch.float32, 2: torch.float16, 1: torch.int8}[itemsize]
     return sum(
-        2 * spec.num_kv_heads * slots[spec.attention] * row_width(spec, dtype) * itemsize
+        2 * spec.num_kv_heads * slots[spec.attention] * kv_row_bytes(spec.head_dim, itemsize)
         for spec in cfg.layers
         if spec.owns_kv
     )

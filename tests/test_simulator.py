@@ -37,9 +37,17 @@ from edgemtp.devices.simulator import (
 )
 from edgemtp.errors import EdgeMTPError
 from edgemtp.export.forms import EXPORT
-from edgemtp.model.cost import Work, draft_work, forward_work, layer_weights, static_cache_keys
+from edgemtp.model.config import parse_text_config
+from edgemtp.model.cost import (
+    Work,
+    draft_work,
+    forward_work,
+    kv_read_bytes,
+    layer_weights,
+    static_cache_keys,
+)
 from edgemtp.model.static import StaticBundle, StaticShapes
-from edgemtp.model.synth import write_preset
+from edgemtp.model.synth import preset_config, write_preset
 from edgemtp.quantize.load import load_drafter, load_target
 from edgemtp.runtime.adaptive import AdaptiveDepth
 from edgemtp.runtime.generate import Step
@@ -545,3 +553,24 @@ def test_steps_through_the_q4_0_kernel_read_its_blocks_and_prompt_chunks_read_8d
             runs["plain"].terms[term].seconds
         )
         assert runs["kernel"].terms[term].seconds < runs["stored"].terms[term].seconds
+
+
+def test_an_int8_cache_is_priced_by_its_rows_bytes(capsys):
+    """K/V bytes a step reads: int8 codes and each row's 4-byte scale (as the cache stores
+    them), against float16's 2 bytes an element; a long-context decode reads less and runs
+    faster, the peak holds less."""
+    cfg = parse_text_config(preset_config("e2b"))
+    spec = cfg.layers[cfg.first_shared_layer]
+    source = cfg.layers[spec.kv_source]
+    positions = range(4000, 4001)
+    fp16, int8 = (kv_read_bytes(cfg, spec, positions, None, n) for n in (2, 1))
+    assert int8 / fp16 == (source.head_dim + 4) / (2 * source.head_dim)
+    out = {}
+    for kv in ("fp16", "int8"):
+        # (the GPU: a memory-bound attention; on the CPU its arithmetic binds at this length)
+        argv = ["simulate", "--preset", "e2b", "--device", "galaxy-s26-ultra", "--delegate", "gpu"]
+        argv += ["--max-context", "8192", "--prompt", "8000", "--gen", "64", "--mtp", "0"]
+        assert main([*argv, "--kv-cache", kv, "--json"]) == 0
+        out[kv] = json.loads(capsys.readouterr().out)
+    assert out["int8"]["decode_tok_s"]["0"] > out["fp16"]["decode_tok_s"]["0"]
+    assert out["int8"]["peak_memory_mb"] < out["fp16"]["peak_memory_mb"]

@@ -113,7 +113,8 @@ def test_tiny_is_fast(tmp_path: Path) -> None:
     ("preset", "hidden", "layers", "shared", "stores", "kv_heads", "params"),
     [
         ("e2b", 1536, 35, 20, {"sliding": 13, "full": 14}, 1, 4.6e9),
-        ("e4b", 2560, 42, 18, {"sliding": 22, "full": 23}, 2, 8.9e9),
+        # (E4B's shared layers keep its MLP width: only E2B's config sets use_double_wide_mlp)
+        ("e4b", 2560, 42, 18, {"sliding": 22, "full": 23}, 2, 7.46e9),
     ],
 )
 def test_full_size_target_configs(
@@ -142,7 +143,8 @@ def test_full_size_target_configs(
     assert all(s.head_dim == 512 for s in full)
     assert all(s.head_dim == 256 for s in text.layers if s.attention == "sliding")
     assert {s.num_kv_heads for s in text.layers} == {kv_heads}
-    assert text.layers[-1].intermediate_size == 2 * text.layers[0].intermediate_size
+    wide = 2 if preset == "e2b" else 1
+    assert text.layers[-1].intermediate_size == wide * text.layers[0].intermediate_size
     assert text.hidden_size_per_layer_input == 256 and text.vocab_size == 262_144
     assert text.vocab_size_per_layer_input == 262_144 and text.sliding_window == 512
     assert set(cfg["per_layer_config"]) == {f"{s.index:02d}" for s in full}
