@@ -14,7 +14,8 @@ backend and delegate; `StaticBundle.use_form` applies it.
   over segments, additive masks by arithmetic;
 - xnnpack with edgemtp's kernels: steps in `edgemtp::rms_norm` / `add_rms_norm`,
   `q4_0_linear` (Q/K/V fused), `head_norm_rope` and `cache_attention_rows` over a float16
-  cache; prompt chunks as xnnpack's, gate and up apart;
+  cache (or fp32, or int8 rows written by `quantize_kv_rows`, which prompt chunks' attention
+  reads in the kernel too); prompt chunks as xnnpack's, gate and up apart;
 - coreml: overflow-safe fp16 norms, blockwise int4 constants, attention over the concatenated
   cache with the additive mask in fp16, one-hot cache writes, the cache as states.
 """
