@@ -593,7 +593,7 @@ def stored_bytes(cfg: TextConfig, drafter: AssistantConfig | None, quant: str) -
 
 def cache_itemsize(manifest: dict[str, Any]) -> int:
     """Bytes a K/V element of the bundle's cache takes: 4, float16's 2, or int8's 1 (its rows'
-    scales counted by `kv_row_bytes`)."""
+    scales counted by `row_width`)."""
     sizes = {"float32": 4, "float16": 2, "int8": 1}
     return min(sizes[b["dtype"]] for b in manifest["cache"]["buffers"] if b["name"][0] in "kv")
 

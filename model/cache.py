@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
-from edgemtp.model.config import KV_CACHE_KINDS, AttentionKind, LayerSpec, TextConfig
+from edgemtp.model.config import KV_CACHE_KINDS, AttentionKind, TextConfig
 from edgemtp.model.primitives import KV, SCALE_BYTES, Primitives, stored_rows
 
 
@@ -37,26 +37,22 @@ def cache_slots(cfg: TextConfig, max_context: int, max_draft: int) -> dict[str, 
     return {kind: max_context if kind == "full" else ring for kind in sorted(set(cfg.layer_types))}
 
 
-def row_width(spec: LayerSpec, dtype: torch.dtype) -> int:
-    """Elements of one cached K or V row: head_dim, and an int8 row's scale bytes."""
-    return spec.head_dim + (SCALE_BYTES if dtype == torch.int8 else 0)
-
-
-def kv_row_bytes(head_dim: int, itemsize: int) -> int:
-    """Bytes of one cached K or V row of a head, `itemsize` bytes an element (1: int8 codes,
-    and the row's scale)."""
-    return head_dim * itemsize + (SCALE_BYTES if itemsize == 1 else 0)
+def row_width(head_dim: int, itemsize: int) -> int:
+    """Elements of one cached K or V row of a head stored in `itemsize` bytes an element:
+    head_dim, and an int8 row's scale bytes (1: int8)."""
+    return head_dim + (SCALE_BYTES if itemsize == 1 else 0)
 
 
 def cache_bytes(cfg: TextConfig, max_context: int, max_draft: int, itemsize: int = 4) -> int:
     """Bytes of K and V over every layer that owns a cache, stored in `itemsize` bytes an
     element (1: int8 rows with their scales)."""
     slots = cache_slots(cfg, max_context, max_draft)
-    return sum(
-        2 * spec.num_kv_heads * slots[spec.attention] * kv_row_bytes(spec.head_dim, itemsize)
-        for spec in cfg.layers
-        if spec.owns_kv
-    )
+    total = 0
+    for spec in cfg.layers:
+        if spec.owns_kv:  # K and V: rows per head and slot
+            rows = 2 * spec.num_kv_heads * slots[spec.attention]
+            total += rows * row_width(spec.head_dim, itemsize) * itemsize
+    return total
 
 
 class RingTracker:
@@ -110,7 +106,8 @@ class KVCache:
         self.v: dict[int, Tensor] = {}
         for spec in cfg.layers:
             if spec.owns_kv:
-                shape = (spec.num_kv_heads, self.slots[spec.attention], row_width(spec, dtype))
+                width = row_width(spec.head_dim, dtype.itemsize)
+                shape = (spec.num_kv_heads, self.slots[spec.attention], width)
                 self.k[spec.index] = torch.zeros(shape, dtype=dtype)
                 self.v[spec.index] = torch.zeros(shape, dtype=dtype)
         self.slot_positions = {
@@ -245,7 +242,8 @@ class StaticCache(nn.Module):
         """(Re)make the K/V buffers, empty, to store rows as `dtype` (`stored_rows`)."""
         for i in self.owners:
             spec = self.cfg.layers[i]
-            shape = (spec.num_kv_heads, self.slots[spec.attention] + 1, row_width(spec, dtype))
+            width = row_width(spec.head_dim, dtype.itemsize)
+            shape = (spec.num_kv_heads, self.slots[spec.attention] + 1, width)
             self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype))
             self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgemtp.model.cache import kv_row_bytes
+from edgemtp.model.cache import row_width
 from edgemtp.model.config import AssistantConfig, LayerSpec, TextConfig
 from edgemtp.model.forward import prefill_chunks
 
@@ -167,7 +167,7 @@ def kv_read_bytes(
         keys = sum(attended(spec, cfg, p) for p in positions)
     else:
         keys = cache_keys
-    return 2 * keys * source.num_kv_heads * kv_row_bytes(source.head_dim, itemsize)
+    return 2 * keys * source.num_kv_heads * row_width(source.head_dim, itemsize) * itemsize
 
 
 def static_cache_keys(slots: dict[str, int], bucket: int | None = None) -> dict[str, int]:
@@ -260,7 +260,7 @@ def draft_work(
         store = target.layers[stores[spec.attention]]
         keys = None if cache_keys is None else cache_keys[spec.attention]
         read = attended(spec, text, position) if keys is None else keys
-        cache = 2 * read * store.num_kv_heads * kv_row_bytes(store.head_dim, itemsize)
+        cache = 2 * read * store.num_kv_heads * row_width(store.head_dim, itemsize) * itemsize
         row = range(position, position + 1)
         flops, attention, scores = (
             layer_flops(text, spec, row, keys),

@@ -106,9 +106,7 @@ _TARGETS: dict[str, _TargetShape] = {
     # 35 layers = 3 own + 4 shared blocks of 5; store layers 13 (sliding) and 14 (full).
     "e2b": _TargetShape(1536, 6144, 5, 3, 4, 8, 1, 256, 512, 256, 262_144, 512),
     # 42 layers = 4 own + 3 shared blocks of 6; store layers 22 (sliding) and 23 (full).
-    "e4b": _TargetShape(
-        2560, 10240, 6, 4, 3, 8, 2, 256, 512, 256, 262_144, 512, double_wide=False
-    ),
+    "e4b": _TargetShape(2560, 10240, 6, 4, 3, 8, 2, 256, 512, 256, 262_144, 512, double_wide=False),
     # 10 layers = 1 own + 1 shared block of 5; store layers 3 and 4; window 16.
     "tiny": _TargetShape(64, 128, 5, 1, 1, 4, 1, 16, 32, 16, 512, 16),
     # "PEER-90M", the shape edgemtp is compared with llama.cpp and ExecuTorch's example on
