@@ -6,8 +6,8 @@ Text: the CPython standard library files the embedded pair never trained on
 (`edgemtp.train.data.is_held_out`), encoded as its held-out evaluation encoded them (each
 file's tokens, then <eos>). Per context length L, `--windows` windows of L consecutive tokens
 (a <bos> first) are teacher-forced through the reference engine one token at a time, as
-decoding reads its cache: each row attends to the cached rows before it and to its own K/V in
-float. Once over an fp16 cache (what the bundles store) and once over int8 (`--kv-cache int8`:
+decoding reads its cache: each row attends to the cached rows before it and to its own K/V as
+the cache will store it. Once over an fp16 cache (what the bundles store) and once over int8 (`--kv-cache int8`:
 symmetric, a float32 scale per token and KV head): per token KL(fp16 || int8) of the next-token
 distributions, top-1 agreement, and both perplexities over the next tokens. Then MTP: the
 demo's held-out prompts decoded greedily at depth 3 with the assistant over each cache
@@ -126,7 +126,11 @@ def main() -> None:
     assert tokenizer is not None
     prompts = [[bos, *tokenizer.encode_prompt(p)] for p in json.loads(PROMPTS.read_text())]
     mtp = {c: acceptance(target, drafter, prompts, args.mtp_tokens, c) for c in CACHES}
-    same = mtp["fp16"]["tokens"] == mtp["int8"]["tokens"]
+    # per prompt: how many leading tokens the two caches decode alike
+    same = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+        for x, y in zip(mtp["fp16"]["tokens"], mtp["int8"]["tokens"], strict=True)
+    ]
     result = {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "command": command_line("kv_cache_quality.py"),
@@ -134,7 +138,7 @@ def main() -> None:
         "held_out_tokens": len(ids),
         "contexts": contexts,
         "mtp": {c: {k: v for k, v in m.items() if k != "tokens"} for c, m in mtp.items()},
-        "mtp_tokens_equal": same,
+        "mtp_tokens_alike": same,
         "seconds": round(time.perf_counter() - start, 1),
     }
     lines = [
@@ -166,7 +170,8 @@ def main() -> None:
             for c in CACHES
         ),
         "",
-        f"Tokens over the int8 cache equal those over fp16: {same}.",
+        f"Leading tokens alike over the int8 and the fp16 cache, per prompt: "
+        f"{', '.join(f'{n}/{args.mtp_tokens}' for n in same)}.",
         "",
     ]
 
