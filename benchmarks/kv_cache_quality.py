@@ -7,11 +7,12 @@ Text: the CPython standard library files the embedded pair never trained on
 file's tokens, then <eos>). Per context length L, `--windows` windows of L consecutive tokens
 (a <bos> first) are teacher-forced through the reference engine one token at a time, as
 decoding reads its cache: each row attends to the cached rows before it and to its own K/V as
-the cache will store it. Once over an fp16 cache (what the bundles store) and once over int8 (`--kv-cache int8`:
-symmetric, a float32 scale per token and KV head): per token KL(fp16 || int8) of the next-token
-distributions, top-1 agreement, and both perplexities over the next tokens. Then MTP: the
-demo's held-out prompts decoded greedily at depth 3 with the assistant over each cache
-(`--mtp-tokens` each): acceptance by draft position, and the tokens.
+the cache will store it. Once over an fp16 cache (what the bundles store by default) and once
+over int8 (`--kv-cache int8`: symmetric, a float32 scale per token and KV head): per token
+KL(fp16 || int8) of the next-token distributions, top-1 agreement, and both perplexities over
+the next tokens. Then MTP: the demo's held-out prompts decoded greedily at depth 3 with the
+assistant over each cache (`--mtp-tokens` each): acceptance by draft position, and how many
+leading tokens the two caches decode alike.
 Writes results/kv_cache_quality.{json,md,png}.
 """
 
