@@ -156,8 +156,11 @@ class Primitives:
         return queries, keys, values
 
     def extend(self, past: Segments, new: Tensor) -> Segments:
-        stored = past[0].dtype if past else new.dtype  # a narrower cache: read widened
-        past = tuple(read_rows(p, new.dtype) for p in past)
+        # an int8 cache read widened (a float16 one is promoted by the concatenation; a cast of
+        # it would be an op on the cache Core ML's states do not survive), and the new rows as
+        # the cache will give them back
+        stored = past[0].dtype if past else new.dtype
+        past = tuple(read_rows(p, new.dtype) if p.dtype == torch.int8 else p for p in past)
         return (torch.cat([*past, as_stored(new, stored)], dim=1),)
 
     def attention(self, q: Tensor, keys: Segments, values: Segments, mask: Tensor) -> Tensor:

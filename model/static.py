@@ -360,7 +360,8 @@ class StaticBundle:
         if self.drafter is not None:
             self.drafter.form = form
         self.cache.reads_prefix = form.reads_cache_prefix
-        self.cache.store_as(form.cache_dtype)
+        if self.cache.k(self.cache.owners[0]).dtype != form.cache_dtype:  # else: kept as they are
+            self.cache.store_as(form.cache_dtype)
         return stats
 
     def example_inputs(self, rows: int) -> tuple[Tensor, ...]:
