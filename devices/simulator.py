@@ -27,6 +27,8 @@ from dataclasses import asdict, astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgemtp.devices.profiles import DelegateProfile, DeviceProfile
 from edgemtp.errors import EdgeMTPError
 from edgemtp.model.cache import cache_bytes, cache_slots
@@ -594,8 +596,8 @@ def stored_bytes(cfg: TextConfig, drafter: AssistantConfig | None, quant: str) -
 def cache_itemsize(manifest: dict[str, Any]) -> int:
     """Bytes a K/V element of the bundle's cache takes: 4, float16's 2, or int8's 1 (its rows'
     scales counted by `row_width`)."""
-    sizes = {"float32": 4, "float16": 2, "int8": 1}
-    return min(sizes[b["dtype"]] for b in manifest["cache"]["buffers"] if b["name"][0] in "kv")
+    buffers = manifest["cache"]["buffers"]
+    return min(np.dtype(b["dtype"]).itemsize for b in buffers if b["name"][0] in "kv")
 
 
 def model_from_bundle(bundle: Path) -> Model:
