@@ -180,7 +180,55 @@ inline float lane_sum(Vec v) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time.
+// The lane sums of 2R accumulators (R query rows x two keys) into sums[r] and sums[R + r].
+// Pairwise across registers (AVX's hadd, NEON's padd), so a sum costs a fraction of an
+// instruction, not one shuffle-and-add chain per accumulator.
+template <int R>
+inline void lane_sums(const Vec* a0, const Vec* a1, float* sums) {
+#if defined(__AVX__)
+  if constexpr (R == 4) {
+    __m256 x[4], y[4];
+    for (int r = 0; r < 4; ++r) {
+#if defined(__AVX512F__)  // 16 lanes folded to 8 first
+      x[r] = _mm256_add_ps(_mm512_castps512_ps256(reinterpret_cast<__m512>(a0[r])),
+                           _mm512_extractf32x8_ps(reinterpret_cast<__m512>(a0[r]), 1));
+      y[r] = _mm256_add_ps(_mm512_castps512_ps256(reinterpret_cast<__m512>(a1[r])),
+                           _mm512_extractf32x8_ps(reinterpret_cast<__m512>(a1[r]), 1));
+#else
+      x[r] = reinterpret_cast<__m256>(a0[r]);
+      y[r] = reinterpret_cast<__m256>(a1[r]);
+#endif
+    }
+    // [x0 x1 x2 x3 | y0 y1 y2 y3] summed lane-wise within each 128-bit half, then halves added
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+    const __m256 lo = _mm256_permute2f128_ps(h0, h1, 0x20), hi = _mm256_permute2f128_ps(h0, h1, 0x31);
+    _mm256_storeu_ps(sums, _mm256_add_ps(lo, hi));
+    return;
+  }
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  if constexpr (R == 4) {
+    const float32x4_t s0 = vpaddq_f32(vpaddq_f32(reinterpret_cast<float32x4_t>(a0[0]),
+                                                 reinterpret_cast<float32x4_t>(a0[1])),
+                                      vpaddq_f32(reinterpret_cast<float32x4_t>(a0[2]),
+                                                 reinterpret_cast<float32x4_t>(a0[3])));
+    const float32x4_t s1 = vpaddq_f32(vpaddq_f32(reinterpret_cast<float32x4_t>(a1[0]),
+                                                 reinterpret_cast<float32x4_t>(a1[1])),
+                                      vpaddq_f32(reinterpret_cast<float32x4_t>(a1[2]),
+                                                 reinterpret_cast<float32x4_t>(a1[3])));
+    vst1q_f32(sums, s0);
+    vst1q_f32(sums + 4, s1);
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    sums[r] = lane_sum(a0[r]);
+    sums[R + r] = lane_sum(a1[r]);
+  }
+}
+
+// scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time. The columns past
+// the last whole register (head_dim % kLanes, none for real heads) are added one by one.
 template <int R, typename T>
 void block_scores(const float* q, int64_t dim, const T* const* keys, int64_t n, float* scores,
                   int64_t stride) {
@@ -194,7 +242,8 @@ void block_scores(const float* q, int64_t dim, const T* const* keys, int64_t n, 
   for (; i + 2 <= n; i += 2) {
     const T* k0 = keys[i];
     const T* k1 = keys[i + 1];
-    Vec a0[R] = {}, a1[R] = {};
+    Vec a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = Vec{};
     for (int64_t d = 0; d < body; d += kLanes) {
       const Vec x0 = load(k0 + d), x1 = load(k1 + d);
       for (int r = 0; r < R; ++r) {
@@ -203,13 +252,22 @@ void block_scores(const float* q, int64_t dim, const T* const* keys, int64_t n, 
         a1[r] += qr * x1;
       }
     }
+    float sums[2 * R];
+    lane_sums<R>(a0, a1, sums);
     for (int r = 0; r < R; ++r) {
-      scores[r * stride + i] = lane_sum(a0[r]) + tail(r, k0);
-      scores[r * stride + i + 1] = lane_sum(a1[r]) + tail(r, k1);
+      scores[r * stride + i] = sums[r];
+      scores[r * stride + i + 1] = sums[R + r];
+    }
+    if (body != dim) {
+      for (int r = 0; r < R; ++r) {
+        scores[r * stride + i] += tail(r, k0);
+        scores[r * stride + i + 1] += tail(r, k1);
+      }
     }
   }
   for (; i < n; ++i) {
-    Vec a[R] = {};
+    Vec a[R];
+    for (int r = 0; r < R; ++r) a[r] = Vec{};
     for (int64_t d = 0; d < body; d += kLanes) {
       const Vec x = load(keys[i] + d);
       for (int r = 0; r < R; ++r) a[r] += load(q + r * dim + d) * x;
@@ -338,25 +396,36 @@ struct Call {
       block_scores<R>(hq + r0 * dim, dim, cache_k, from_cache, sr, kChunk);
       block_scores<R>(hq + r0 * dim, dim, own_k, own, sr + from_cache, kChunk);
     });
+    // each row padded to whole registers with -inf, which weighs 0
+    constexpr float kInf = std::numeric_limits<float>::infinity();
+    const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;  // <= kChunk, a multiple of it
     for (int64_t r = 0; r < q_rows; ++r) {
       float* s = scores.data() + r * kChunk;
-      if constexpr (kInt8) {  // q . (codes * scale) as (q . codes) * scale
-        for (int64_t i = 0; i < from_cache; ++i) s[i] *= k_scale[i];
-      }
       const float* m_row = mask + (r % rows) * keys;
-      for (int64_t i = 0; i < n; ++i) s[i] += m_row[live[i]];
-      const float m = n ? *std::max_element(s, s + n) : -std::numeric_limits<float>::infinity();
-      // below e^-87 a weight is under float epsilon of the row's largest (1): exactly 0 keeps
-      // every blocked key out of the sum; the loop vectorizes (std::exp was a call per key)
-      const float shift = m > kBlocked ? m : std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < n; ++i) {
-        const float d = s[i] - shift;
-        s[i] = d > -87.0f ? exp_poly(d) : 0.0f;
+      for (int64_t i = 0; i < n; ++i) {  // q . (codes * scale) as (q . codes) * scale
+        const float score = kInt8 && i < from_cache ? s[i] * k_scale[i] : s[i];
+        s[i] = score + m_row[live[i]];
       }
-      float total = 0;
-      for (int64_t i = 0; i < n; ++i) total += s[i];
+      std::fill(s + n, s + padded, -kInf);
+      Vec top = Vec{} - kInf;
+      for (int64_t i = 0; i < padded; i += kLanes) {
+        const Vec x = load(s + i);
+        top = x > top ? x : top;
+      }
+      float m = -kInf;
+      for (int l = 0; l < kLanes; ++l) m = std::max(m, top[l]);
+      // below e^-87 a weight is under float epsilon of the row's largest (1): exactly 0 keeps
+      // every blocked key out of the sum
+      const float shift = m > kBlocked ? m : kInf;
+      Vec total{};
+      for (int64_t i = 0; i < padded; i += kLanes) {
+        const Vec d = load(s + i) - shift;
+        const Vec weight = d > -87.0f ? exp_poly(d) : Vec{};
+        store(s + i, weight);
+        total += weight;
+      }
       state.max[r] = m;
-      state.sum[r] = total;
+      state.sum[r] = lane_sum(total);
       if constexpr (kInt8) {  // weight * (codes * scale) as (weight * scale) * codes
         for (int64_t i = 0; i < from_cache; ++i) s[i] *= v_scale[i];
       }
