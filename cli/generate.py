@@ -80,6 +80,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "and KV head, for K and V",
     )
     p.add_argument(
+        "--numerics",
+        choices=("reference", "executorch"),
+        default="reference",
+        help="what --model computes: reference (default: float32 activations), or executorch: "
+        "what an ExecuTorch cpu bundle of these 4-bit checkpoints computes (edgemtp's kernels, "
+        "its cache dtype: fp16, or --kv-cache), token for token the bundle's",
+    )
+    p.add_argument(
         "--max-draft", type=int, default=4, help="deepest draft for --mtp auto (--model)"
     )
     p.add_argument("--chat", action="store_true", help="apply Gemma's chat turn format")
@@ -112,6 +120,7 @@ def _open_session(args: argparse.Namespace):
             ("--drafter", args.drafter),
             ("--max-context", args.max_context),
             ("--kv-cache", args.kv_cache),
+            ("--numerics", args.numerics != "reference"),
         )
         for flag, given in given_flags:
             if given:
@@ -131,15 +140,43 @@ def _open_session(args: argparse.Namespace):
         raise EdgeMTPError("--model runs the reference engine on the CPU; export a bundle first")
     if args.mtp not in ("auto", 0) and not args.drafter:
         raise EdgeMTPError("--mtp needs --drafter (an MTP assistant checkpoint)")
-    return Session.from_checkpoints(
-        args.model,
-        args.drafter,
-        max_context=args.max_context,
-        max_draft=max(args.max_draft, args.mtp if isinstance(args.mtp, int) else 0),
-        prefill_chunk=args.prefill_chunk,
-        prune=not args.no_prune,
-        kv_cache=args.kv_cache,
-    )
+    options = {
+        "max_context": args.max_context,
+        "max_draft": max(args.max_draft, args.mtp if isinstance(args.mtp, int) else 0),
+        "prefill_chunk": args.prefill_chunk,
+        "prune": not args.no_prune,
+        "kv_cache": args.kv_cache,
+    }
+    if args.numerics == "reference":
+        return Session.from_checkpoints(args.model, args.drafter, **options)
+    return _in_bundle_numerics(args, options)
+
+
+def _in_bundle_numerics(args: argparse.Namespace, options: dict):
+    """The reference engine computing what an ExecuTorch cpu bundle exported from these
+    checkpoints computes: the Q4_0 blocks through edgemtp's kernels' arithmetic, the cache in
+    the bundle's dtype. An export of the same checkpoints decodes the same tokens."""
+    from edgemtp.export.forms import form_for
+    from edgemtp.export.weights import attach_int4
+    from edgemtp.model.cache import KV_CACHE_DTYPES
+    from edgemtp.quantize.load import load_drafter, load_target
+    from edgemtp.runtime.session import Session
+
+    form = form_for("executorch", "cpu", "edgemtp", args.kv_cache)
+    target = load_target(args.model)
+    drafter = load_drafter(args.drafter, target.cfg) if args.drafter else None
+    for model, folder in ((target, args.model), (drafter, args.drafter)):
+        if model is None:
+            continue
+        if not attach_int4(model.model, model.source, model.names):
+            raise EdgeMTPError(
+                f"--numerics executorch computes with the 4-bit blocks an export runs, and "
+                f"{folder} holds float weights: quantize it first (edgemtp quantize --model "
+                f"{folder} --scheme q4_0 --out DIR) and pass DIR"
+            )
+        model.use_form(form)
+    kind = {dtype: kind for kind, dtype in KV_CACHE_DTYPES.items()}[form.cache_dtype]
+    return Session.from_models(target, drafter, args.model, **{**options, "kv_cache": kind})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from edgemtp.runtime.sampling import SamplingParams
 from edgemtp.runtime.tokenizer import PromptTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
+    from edgemtp.model.checkpoint import Drafter, Target
     from edgemtp.model.static import StaticShapes
 
 
@@ -125,18 +126,44 @@ class Session:
 
         target = load_target(Path(model))
         helper = load_drafter(Path(drafter), target.cfg) if drafter else None
-        backend = ReferenceBackend(
+        return cls.from_models(
             target,
             helper,
+            Path(model),
             max_context=max_context,
             max_draft=max_draft,
             prefill_chunk=prefill_chunk,
             prune=prune,
             kv_cache=kv_cache,
         )
-        tokenizer = load_tokenizer(Path(model))
+
+    @classmethod
+    def from_models(
+        cls,
+        target: Target,
+        drafter: Drafter | None,
+        folder: Path,
+        *,
+        max_context: int | None = None,
+        max_draft: int = 4,
+        prefill_chunk: int = 512,
+        prune: bool = True,
+        kv_cache: str | None = None,
+    ) -> Session:
+        """The reference engine over loaded models, in whatever form they were put
+        (`Target.use_form`); `folder`: the target's checkpoint, for its tokenizer."""
+        backend = ReferenceBackend(
+            target,
+            drafter,
+            max_context=max_context,
+            max_draft=max_draft,
+            prefill_chunk=prefill_chunk,
+            prune=prune,
+            kv_cache=kv_cache,
+        )
+        tokenizer = load_tokenizer(folder)
         stop = (*target.cfg.eos_token_ids, *(tokenizer.extra_stop_ids if tokenizer else ()))
-        info = {"model": str(model), "backend": "reference", "delegate": "cpu"}
+        info = {"model": str(folder), "backend": "reference", "delegate": "cpu"}
         info["kv_cache"] = kv_cache or "fp32"
         info["kv_cache_bytes"] = backend.cache.nbytes()
         return cls(backend, tokenizer, stop, info)

@@ -198,6 +198,38 @@ def test_int8_bundle_decodes_the_reference_engines_tokens(int8_bundle, tmp_path)
         assert mtp.metrics()["acceptance_rate"] > 0.5
 
 
+def test_generate_model_in_the_bundles_numerics_gives_its_tokens(int8_bundle, tmp_path, capsys):
+    """`generate --model ... --kv-cache int8 --numerics executorch` over the checkpoints the
+    export quantized: the int8 bundle's greedy tokens, AR and MTP."""
+    quantized = []
+    for role, path in (("target", TARGET), ("assistant", ASSISTANT)):
+        out = tmp_path / role
+        assert main(["quantize", "--model", str(path), "--scheme", "q4_0", "--out", str(out)]) == 0
+        quantized.append(out)
+    tokenizer = load_tokenizer(TARGET)
+
+    def tokens(ids: list[int], *source: str, mtp: int) -> list[int]:
+        capsys.readouterr()
+        argv = ["generate", *source, "--prompt-ids", ",".join(map(str, ids)), "--json"]
+        assert main([*argv, "--max-new-tokens", "32", "--mtp", str(mtp), "--ignore-eos"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+
+    model = ["--model", str(quantized[0]), "--drafter", str(quantized[1]), "--kv-cache", "int8"]
+    model += ["--numerics", "executorch"]
+    for text in json.loads(PROMPTS.read_text())[:2]:
+        ids = tokenizer.encode_prompt(text)
+        bundle = tokens(ids, "--bundle", str(int8_bundle), mtp=0)
+        assert tokens(ids, *model, mtp=0) == bundle
+        assert tokens(ids, *model, mtp=3) == bundle
+
+
+def test_numerics_executorch_wants_4bit_checkpoints(capsys):
+    argv = ["generate", "--model", str(TARGET), "--numerics", "executorch", "--prompt-ids", "2"]
+    assert main([*argv, "--max-new-tokens", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "quantize it first" in err
+
+
 @pytest.mark.parametrize(
     ("flags", "reads"),
     [
