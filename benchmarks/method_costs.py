@@ -1,7 +1,7 @@
 """Where an ExecuTorch bundle's decode time goes: each method's cost per call, and per op type.
 
     python benchmarks/method_costs.py --bundle DIR [--threads 1] [--repeat 7] [--calls 100]
-        [--etdump] [--against OTHER_BUNDLE] [--positions 16,480,1800]
+        [--etdump] [--against OTHER_BUNDLE] [--positions 16,480,1800 [--every-bucket]]
         [--out benchmarks/results/NAME]
 
 Calls every decode method (verify_K, draft_step, the draft chains draft_K; prefill_final and
@@ -19,8 +19,9 @@ this one: the ratio of a change measured side by side. Writes NAME.json and NAME
 `--positions` times the AR decode method at context positions instead: per position a session
 prefills that many seeded random tokens (so the cache holds real keys and the kernel attends to
 them), then the method the runtime picks there is called at the next position, `--repeat` rounds
-of `--calls`. The runtime's own Python host overhead is not here: `benchmarks/runtime_backends.py`
-has it.
+of `--calls`, every position's session (and `--against`'s, the same positions) in each round;
+`--every-bucket` adds the wider context buckets' methods at each position. The runtime's own
+Python host overhead is not here: `benchmarks/runtime_backends.py` has it.
 """
 
 from __future__ import annotations
@@ -117,27 +118,47 @@ def op_breakdown(pte: Path, name: str, inputs: tuple, n: int) -> dict[str, dict[
     return table
 
 
-def time_positions(bundle: Path, threads: int, positions: list[int], repeat: int, n: int) -> list:
-    """[(position, method, median ms per call)] of the AR method over a cache filled to each
-    position by the runtime's own prefill."""
+def time_positions(
+    bundles: dict[str, Path],
+    threads: int,
+    positions: list[int],
+    repeat: int,
+    n: int,
+    every_bucket: bool = False,
+) -> list:
+    """[(bundle's name, position, method, median ms per call)] of the AR method over a cache
+    filled to each position by the runtime's own prefill: one session per bundle and position,
+    all timed round by round, interleaved (the host's noise then falls on every one alike).
+    `every_bucket`: also the AR methods of the larger context buckets and of the whole cache
+    at each position (what a bucket's width costs, apart from the keys attended)."""
     from edgemtp.runtime.session import Session
 
-    session = Session.from_bundle(bundle, threads=threads, verify=False)
-    backend = session.backend
     gen = torch.Generator().manual_seed(0)
-    rows = []
+    calls = {}
     for position in positions:
-        session.reset()
-        prompt = torch.randint(3, backend.vocab_size, (position,), generator=gen).tolist()
-        session.generate(prompt, 1, mtp=0, stop_ids=())
-        method, _ = backend.shapes.verify_method(0, position + 1)
-        call = partial(backend.runner.call, method, *backend._padded([prompt[-1]], position, 1))
-        for _ in range(5):  # warm-up, once per position
-            call()
-        samples = [ms_per_call(call, n) for _ in range(repeat)]
-        rows.append((position, method, statistics.median(samples)))
-        print(f"position {position}: {method} {rows[-1][2]:.3f} ms", file=sys.stderr)
-    return rows
+        prompt = torch.randint(3, 32_000, (position,), generator=gen).tolist()
+        for name, bundle in bundles.items():
+            session = Session.from_bundle(bundle, threads=threads, verify=False)
+            backend = session.backend
+            ids = [t % backend.vocab_size for t in prompt]
+            session.generate(ids, 1, mtp=0, stop_ids=())
+            shapes = backend.shapes
+            methods = [shapes.verify_method(0, position + 1)[0]]
+            if every_bucket:
+                wider = [b for b in shapes.context_buckets if b > position + 1]
+                methods += [shapes.verify_method(0, b)[0] for b in wider] + ["verify_0"]
+            inputs = backend._padded([ids[-1]], position, 1)
+            for method in dict.fromkeys(methods):
+                call = partial(backend.runner.call, method, *inputs)
+                for _ in range(5):  # warm-up
+                    call()
+                calls[name, position, method] = (call, session)
+    samples: dict[tuple, list[float]] = {key: [] for key in calls}
+    for r in range(repeat):
+        for key, (call, _) in calls.items():
+            samples[key].append(ms_per_call(call, n))
+        print(f"round {r + 1}/{repeat}", file=sys.stderr)
+    return [(*key, statistics.median(ms)) for key, ms in samples.items()]
 
 
 def report(result: dict) -> str:
@@ -152,8 +173,12 @@ def report(result: dict) -> str:
         "",
     ]
     if "positions" in result:
-        lines += ["| position | method | ms per call |", "|---:|---|---:|"]
-        lines += [f"| {p} | {m} | {ms:.3f} |" for p, m, ms in result["positions"]]
+        lines += ["| bundle | position | method | ms per call | / the first position's |"]
+        lines += ["|---|---:|---|---:|---:|"]
+        first: dict[str, float] = {}
+        for name, p, m, ms in result["positions"]:
+            first.setdefault(name, ms)
+            lines.append(f"| {name} | {p} | {m} | {ms:.3f} | {ms / first[name]:.2f} |")
         return "\n".join(lines) + "\n"
     against = result.get("against_ms_per_call")
     if against:
@@ -194,6 +219,11 @@ def main() -> None:
     parser.add_argument(
         "--positions", help="comma-separated context positions: time the AR method at each"
     )
+    parser.add_argument(
+        "--every-bucket",
+        action="store_true",
+        help="with --positions: also each wider context bucket's method at each position",
+    )
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     args = parser.parse_args()
 
@@ -220,8 +250,12 @@ def main() -> None:
     }
     if args.positions:
         positions = [int(p) for p in args.positions.split(",")]
+        bundles = {"bundle": args.bundle}
+        if args.against is not None:
+            bundles["against"] = args.against
+            result["against"] = str(args.against)
         result["positions"] = time_positions(
-            args.bundle, args.threads, positions, args.repeat, args.calls
+            bundles, args.threads, positions, args.repeat, args.calls, args.every_bucket
         )
         finish(result, args.out)
         return
