@@ -15,7 +15,8 @@ backend and delegate; `StaticBundle.use_form` applies it.
 - xnnpack with edgemtp's kernels: steps in `edgemtp::rms_norm` / `add_rms_norm`,
   `q4_0_linear` (Q/K/V fused), `head_norm_rope` and `cache_attention_rows` over a float16
   cache (or fp32, or int8 rows written by `quantize_kv_rows`, which prompt chunks' attention
-  reads in the kernel too); prompt chunks as xnnpack's, gate and up apart;
+  reads in the kernel too), the slot bookkeeping in `truncate_positions` / `ring_positions`;
+  prompt chunks as xnnpack's, gate and up apart (their bookkeeping in the kernels too);
 - coreml: overflow-safe fp16 norms, blockwise int4 constants, attention over the concatenated
   cache with the additive mask in fp16, one-hot cache writes, the cache as states.
 """
@@ -160,6 +161,14 @@ def kernel_scatter(ops: Primitives, buffer: Tensor, slots: Tensor, rows: Tensor)
     buffer.index_copy_(1, slots, rows.to(buffer.dtype))
 
 
+def kernel_truncated(ops: Primitives, slot_pos: Tensor, at: Tensor) -> Tensor:
+    return torch.ops.edgemtp.truncate_positions(slot_pos, at)
+
+
+def kernel_ring_positions(ops: Primitives, kept: Tensor, positions: Tensor, slots: int) -> Tensor:
+    return torch.ops.edgemtp.ring_positions(kept, positions, slots)
+
+
 def int4_head_logits(ops: Primitives, lm_head: nn.Module, ids: Tensor, h: Tensor) -> Tensor:
     """An int4 LM head: only the kept tokens' rows, gathered as 4-bit codes and dequantized
     (`Int4Linear.rows`) outside the delegates; a float one: the kept rows gathered."""
@@ -225,6 +234,8 @@ class XnnpackKernelChunk(Primitives):
     mask = arithmetic_mask
     head_logits = int4_head_logits
     scatter = kernel_scatter
+    truncated = kernel_truncated
+    ring_positions = kernel_ring_positions
 
 
 class XnnpackKernelStep(Primitives):
@@ -240,6 +251,8 @@ class XnnpackKernelStep(Primitives):
     mask = arithmetic_mask
     head_logits = kernel_head_logits
     scatter = kernel_scatter
+    truncated = kernel_truncated
+    ring_positions = kernel_ring_positions
 
 
 class CoreML(Primitives):

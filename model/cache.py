@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from edgemtp.errors import EdgeMTPError
 from edgemtp.model.config import KV_CACHE_KINDS, AttentionKind, TextConfig
-from edgemtp.model.primitives import KV, SCALE_BYTES, Primitives, stored_rows
+from edgemtp.model.primitives import KV, REFERENCE, SCALE_BYTES, Primitives, stored_rows
 
 
 def ring_size(window: int, max_draft: int) -> int:
@@ -178,21 +178,6 @@ def row_slots(positions: Tensor, slots: int) -> Tensor:
     return torch.where(positions > positions[-1], slots, positions % slots)
 
 
-def ring_positions(kept: Tensor, positions: Tensor, slots: int) -> Tensor:
-    """The slot positions after a static call writes its rows: `kept` are the positions before
-    (the trash slot last, or a context bucket's first slots only). The rows that are not pads
-    hold consecutive positions ending at the last row (pads, at the last position + 1, come
-    first), as every caller passes them; so each slot's new position is the newest position up
-    to the last row's that lands in it, where that is not before the first row's: arithmetic
-    over the slots, not a compare of every slot with every row (over [slots, rows] that ran in
-    portable kernels, outside the delegates)."""
-    first, last = positions.min(), positions[-1]
-    ring = torch.arange(kept.shape[0])
-    newest = last - (last - ring) % slots  # the newest position up to `last` in each slot
-    written = (newest >= first) & (ring < slots)  # slot `slots` is the pad rows' trash
-    return torch.where(written, newest, kept)
-
-
 class StaticView:
     """`CacheView` over the static buffers: every slot, or the first `length[kind]` slots of
     each cache (a context bucket); slot positions given (possibly truncated)."""
@@ -269,6 +254,7 @@ class StaticCache(nn.Module):
         truncate_at: Tensor | None = None,
         bucket: int | None = None,
         positions: dict[str, Tensor] | None = None,
+        ops: Primitives = REFERENCE,
     ) -> StaticView:
         """A cache view; with `truncate_at`, slots at positions >= it read as empty; with
         `bucket`, only a bucket's first slots are read; `positions`: the slot positions, when
@@ -277,7 +263,7 @@ class StaticCache(nn.Module):
         out = {}
         for kind in self.slots:
             p = positions[kind] if positions is not None else self.pos(kind)[: length.get(kind)]
-            out[kind] = p if truncate_at is None else torch.where(p >= truncate_at, -1, p)
+            out[kind] = p if truncate_at is None else ops.truncated(p, truncate_at)
         return StaticView(self, out, length)
 
     def write(
@@ -294,7 +280,7 @@ class StaticCache(nn.Module):
         date: a slot past it holds a position at or past the bucket, which every later call
         either rewrites before reaching it or reads as truncated (each call truncates at its
         first position)."""
-        new_pos = {k: ring_positions(view.pos[k], positions, n) for k, n in self.slots.items()}
+        new_pos = {k: ops.ring_positions(view.pos[k], positions, n) for k, n in self.slots.items()}
         if store_positions:
             for kind, p in new_pos.items():
                 # No index_put here: ExecuTorch's reinplaced index_put on a temporary followed

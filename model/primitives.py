@@ -50,6 +50,26 @@ def attends(q_pos: Tensor, kv_pos: Tensor, window: int | None) -> Tensor:
     return m
 
 
+def truncated(slot_pos: Tensor, at: Tensor) -> Tensor:
+    """Slot positions at or past `at` (a call's first position: rejected drafts) as empty."""
+    return torch.where(slot_pos >= at, -1, slot_pos)
+
+
+def ring_positions(kept: Tensor, positions: Tensor, slots: int) -> Tensor:
+    """The slot positions after a static call writes its rows: `kept` are the positions before
+    (the trash slot last, or a context bucket's first slots only). The rows that are not pads
+    hold consecutive positions ending at the last row (pads, at the last position + 1, come
+    first), as every caller passes them; so each slot's new position is the newest position up
+    to the last row's that lands in it, where that is not before the first row's: arithmetic
+    over the slots, not a compare of every slot with every row (over [slots, rows] that ran in
+    portable kernels, outside the delegates)."""
+    first, last = positions.min(), positions[-1]
+    ring = torch.arange(kept.shape[0])
+    newest = last - (last - ring) % slots  # the newest position up to `last` in each slot
+    written = (newest >= first) & (ring < slots)  # slot `slots` is the pad rows' trash
+    return torch.where(written, newest, kept)
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """The reference RMSNorm, in float32 whatever x's dtype (as transformers computes it)."""
     y = x.float()
@@ -183,6 +203,12 @@ class Primitives:
 
     def scatter(self, buffer: Tensor, slots: Tensor, rows: Tensor) -> None:
         buffer.index_copy_(1, slots, stored_rows(rows, buffer.dtype))
+
+    def truncated(self, slot_pos: Tensor, at: Tensor) -> Tensor:
+        return truncated(slot_pos, at)
+
+    def ring_positions(self, kept: Tensor, positions: Tensor, slots: int) -> Tensor:
+        return ring_positions(kept, positions, slots)
 
 
 REFERENCE = Primitives()

@@ -172,7 +172,7 @@ class TargetMethods(nn.Module):
         ops = self.form.chunk if chunk else self.form.step
         cache = self.kvcache
         held = dict(zip(cache.slots, slot_pos, strict=True)) if self.form.cache_as_states else None
-        view = cache.view(truncate_at=positions.min(), bucket=bucket, positions=held)
+        view = cache.view(truncate_at=positions.min(), bucket=bucket, positions=held, ops=ops)
         dtype = self.target.norm.weight.dtype  # fp16 where a form computes in fp16
         ple = token_ple.to(dtype) if self.has_ple else None
         hidden, new_kv = self.target(embeds.to(dtype), ple, positions, view, rows, ops)  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from edgemtp.export.executorch_program import (
     xnnpack_partitioner,
 )
 from edgemtp.export.primitives import BLOCKED
+from edgemtp.model.primitives import REFERENCE
 from edgemtp.quantize.q4_0 import BLOCK, nibbles_q4_0, unpack_q4_0
 from edgemtp.runtime import kernels
 from edgemtp.runtime.kernels.ops import (
@@ -371,6 +372,61 @@ def test_quantize_kv_rows_kernel_equals_numpy():
     np.testing.assert_array_equal(got, want)
     assert want[1, 3, 1] == 0 and want[1, 3, 0] == 127
     np.testing.assert_array_equal(torch.ops.edgemtp.quantize_kv_rows(x).numpy(), want)
+
+
+class SlotBookkeepingOp(nn.Module):
+    def __init__(self, slots: int):
+        super().__init__()
+        self.slots = slots
+
+    def forward(self, kept: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        view = torch.ops.edgemtp.truncate_positions(kept, positions.min())
+        return torch.ops.edgemtp.ring_positions(view, positions, self.slots)
+
+
+def python_slot_bookkeeping(kept: list[int], positions: list[int], slots: int) -> list[int]:
+    """The oracle, slot by slot: a slot at or past the first row's position reads as empty;
+    then each row is written to slot position % slots (pads, after the last row's position,
+    to the trash slot `slots`), the newest write kept."""
+    first = min(positions)
+    out = [-1 if p >= first else p for p in kept]
+    for p in sorted(positions):
+        if p <= positions[-1] and p % slots < len(out):
+            out[p % slots] = p
+    return out
+
+
+BOOKKEEPING_CASES = {  # (slots, kept, positions)
+    # a verify of 3 rows after 2 pads, in a ring of 8 that wrapped, a rejected draft at 19
+    "wrapped": (8, [8, 9, 10, 11, 12, 13, 14, 19, -1], [21, 21, 18, 19, 20]),
+    # the first rows of a ring: slots past the last position (a negative remainder in C++)
+    "start": (8, [-1] * 9, [0, 1, 2]),
+    # a context bucket: only the bucket's first 4 slots of a ring of 8 are kept
+    "bucket": (8, [0, 1, 2, -1], [3]),
+}
+
+
+@pytest.mark.parametrize("case", BOOKKEEPING_CASES)
+def test_slot_bookkeeping_kernels_match_python(case):
+    """`edgemtp::truncate_positions` then `edgemtp::ring_positions` (what kernel bundles'
+    calls run over a bucket's slots) against the slot-by-slot oracle and the standard ops."""
+    from executorch.extension.pybindings import portable_lib
+
+    slots, kept, positions = BOOKKEEPING_CASES[case]
+    want = python_slot_bookkeeping(kept, positions, slots)
+    inputs = (torch.tensor(kept), torch.tensor(positions))
+    kernels.load()
+    manager = lower_programs(
+        {"book": export_method(SlotBookkeepingOp(slots), inputs)}, lambda: [xnnpack_partitioner()]
+    )
+    loaded = portable_lib._load_for_executorch_from_buffer(
+        manager.to_executorch(backend_config()).buffer
+    )
+    assert loaded.run_method("book", inputs)[0].tolist() == want
+    standard = REFERENCE.ring_positions(
+        REFERENCE.truncated(inputs[0], inputs[1].min()), inputs[1], slots
+    )
+    assert standard.tolist() == want
 
 
 class NormOp(nn.Module):

@@ -1,7 +1,10 @@
 // edgemtp::cache_attention.out and edgemtp::cache_attention_rows.out: the ExecuTorch operators
 // over cache_attention.h's arithmetic (the shapes, and which cache slots it reads, are described
 // there): argument checks, the output's size, the cache's storage type. And
-// edgemtp::quantize_kv_rows.out: K or V rows as an int8 cache stores them.
+// edgemtp::quantize_kv_rows.out: K or V rows as an int8 cache stores them. And the static
+// programs' slot bookkeeping (model/primitives.py's `truncated` and `ring_positions`), one
+// pass over a context bucket's slots each, where the same in standard ops ran as portable
+// kernels at several nanoseconds an element, most of what a wider bucket cost a decode step.
 
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
@@ -120,8 +123,56 @@ Tensor& quantize_kv_rows_out(KernelRuntimeContext& ctx, const Tensor& x, Tensor&
   return out;
 }
 
+bool positions_out(KernelRuntimeContext& ctx, const Tensor& like, Tensor& out) {
+  const bool ok = like.dim() == 1 && like.scalar_type() == ScalarType::Long &&
+                  out.scalar_type() == ScalarType::Long &&
+                  executorch::runtime::resize_tensor(out, like.sizes()) ==
+                      executorch::runtime::Error::Ok;
+  ET_KERNEL_CHECK(ctx, ok, InvalidArgument, false);
+  return true;
+}
+
+// Slot positions at or past `at` (the call's first position: rejected drafts) read as empty.
+Tensor& truncate_positions_out(KernelRuntimeContext& ctx, const Tensor& slot_pos, const Tensor& at,
+                               Tensor& out) {
+  ET_KERNEL_CHECK(ctx, at.numel() == 1 && at.scalar_type() == ScalarType::Long, InvalidArgument,
+                  out);
+  if (!positions_out(ctx, slot_pos, out)) return out;
+  const int64_t first = at.const_data_ptr<int64_t>()[0];
+  const int64_t* p = slot_pos.const_data_ptr<int64_t>();
+  int64_t* o = out.mutable_data_ptr<int64_t>();
+  for (int64_t s = 0; s < slot_pos.numel(); ++s) o[s] = p[s] >= first ? -1 : p[s];
+  return out;
+}
+
+// The slot positions after a call writes rows at `positions` (consecutive, ending at the last
+// row; pads before) into a ring of `slots`: each slot holds the newest position up to the last
+// row's that lands in it, where that is not before the first row's, else what it `kept`.
+Tensor& ring_positions_out(KernelRuntimeContext& ctx, const Tensor& kept, const Tensor& positions,
+                           int64_t slots, Tensor& out) {
+  ET_KERNEL_CHECK(ctx,
+                  positions.dim() == 1 && positions.numel() > 0 &&
+                      positions.scalar_type() == ScalarType::Long && slots > 0,
+                  InvalidArgument, out);
+  if (!positions_out(ctx, kept, out)) return out;
+  const int64_t* rows = positions.const_data_ptr<int64_t>();
+  const int64_t last = rows[positions.numel() - 1];
+  const int64_t first = *std::min_element(rows, rows + positions.numel());
+  const int64_t* k = kept.const_data_ptr<int64_t>();
+  int64_t* o = out.mutable_data_ptr<int64_t>();
+  for (int64_t s = 0; s < kept.numel(); ++s) {
+    int64_t back = (last - s) % slots;  // Python's %: never negative
+    if (back < 0) back += slots;
+    const int64_t newest = last - back;
+    o[s] = newest >= first && s < slots ? newest : k[s];
+  }
+  return out;
+}
+
 }  // namespace edgemtp
 
 EXECUTORCH_LIBRARY(edgemtp, "cache_attention.out", edgemtp::cache_attention_out);
 EXECUTORCH_LIBRARY(edgemtp, "cache_attention_rows.out", edgemtp::cache_attention_rows_out);
 EXECUTORCH_LIBRARY(edgemtp, "quantize_kv_rows.out", edgemtp::quantize_kv_rows_out);
+EXECUTORCH_LIBRARY(edgemtp, "truncate_positions.out", edgemtp::truncate_positions_out);
+EXECUTORCH_LIBRARY(edgemtp, "ring_positions.out", edgemtp::ring_positions_out);

@@ -21,7 +21,9 @@ from edgemtp.model.primitives import (
     as_stored,
     gelu_tanh,
     read_rows,
+    ring_positions,
     stored_rows,
+    truncated,
 )
 from edgemtp.quantize.q4_0 import Q4_0, dequantize_q4_0, q8_0_rows, unnibble_q4_0
 
@@ -128,6 +130,23 @@ kernel_op(
     "Tensor x",
     quantize_kv_rows,
     lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.int8),
+)
+
+
+# --- the static programs' slot bookkeeping ---------------------------------------------------
+
+
+kernel_op(
+    "truncate_positions",
+    "Tensor slot_pos, Tensor at",
+    truncated,
+    lambda p, at: p.new_empty(p.shape),
+)
+kernel_op(
+    "ring_positions",
+    "Tensor kept, Tensor positions, int slots",
+    ring_positions,
+    lambda kept, positions, slots: kept.new_empty(kept.shape),
 )
 
 
