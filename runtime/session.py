@@ -110,32 +110,15 @@ class Session:
 
     @classmethod
     def from_checkpoints(
-        cls,
-        model: Path | str,
-        drafter: Path | str | None = None,
-        *,
-        max_context: int | None = None,
-        max_draft: int = 4,
-        prefill_chunk: int = 512,
-        prune: bool = True,
-        kv_cache: str | None = None,
+        cls, model: Path | str, drafter: Path | str | None = None, **engine: Any
     ) -> Session:
-        """The reference engine over a checkpoint folder (and its MTP assistant); `kv_cache`:
-        the cache's dtype (`KV_CACHE_DTYPES`; default float32)."""
+        """The reference engine over a checkpoint folder (and its MTP assistant); `engine`:
+        `from_models`' keywords."""
         from edgemtp.quantize.load import load_drafter, load_target
 
         target = load_target(Path(model))
         helper = load_drafter(Path(drafter), target.cfg) if drafter else None
-        return cls.from_models(
-            target,
-            helper,
-            Path(model),
-            max_context=max_context,
-            max_draft=max_draft,
-            prefill_chunk=prefill_chunk,
-            prune=prune,
-            kv_cache=kv_cache,
-        )
+        return cls.from_models(target, helper, Path(model), **engine)
 
     @classmethod
     def from_models(
@@ -151,7 +134,8 @@ class Session:
         kv_cache: str | None = None,
     ) -> Session:
         """The reference engine over loaded models, in whatever form they were put
-        (`Target.use_form`); `folder`: the target's checkpoint, for its tokenizer."""
+        (`Target.use_form`); `folder`: the target's checkpoint, for its tokenizer; `kv_cache`:
+        the cache's dtype (`KV_CACHE_DTYPES`; default float32)."""
         backend = ReferenceBackend(
             target,
             drafter,
