@@ -518,7 +518,9 @@ def tiny_kernel_bundle(tiny_q4_0_pair, tmp_path_factory) -> Path:
         "edgemtp::head_norm_rope.out",
         "edgemtp::q4_0_gated_linear.out",
         "edgemtp::q4_0_linear.out",
+        "edgemtp::ring_positions.out",
         "edgemtp::rms_norm.out",
+        "edgemtp::truncate_positions.out",
     ]
     return out
 
