@@ -35,8 +35,10 @@ What the fields mean (the simulator relies on these definitions):
     Energy = (idle_w + active_w) x time. `peak_w`, where given, is a published burst figure.
   - `threads`: worker threads (cores) the runtime uses on a CPU delegate.
   - `call_us` (optional): fixed cost of one program call, beside its launches.
-  - `verify_bandwidth_gbs` (optional): the rate 4-bit weights stream at through a linear on a
-    few rows (2-16, a verify's), where a kernel takes another path than for one row.
+  - `verify_bandwidth_gbs` (optional): the rate 4-bit weights stream at through a linear on
+    4 rows (a verify of 3 drafts), where a kernel takes another path than for one row or does
+    work per row beside reading its weights once. A call of 2 or 3 rows is priced between the
+    two rates (the time per byte grows by the same step each row), one of 5-16 rows at it.
   - `attention_tops`, `attention_bandwidth_gbs`, `ns_per_score` (optional): how the unit's
     attention kernels run: the FLOP rate of its batched matmuls (activations x activations),
     the rate K/V stream through them (which may repack them every call), and the time per
@@ -72,7 +74,10 @@ What the fields mean (the simulator relies on these definitions):
   - `[delegates.X.backends.Y]` (optional): `memory_bandwidth_gbs`, `dispatch_us`, `call_us`,
     `host_*`, the attention numbers and `peak_tops` as the kernels of backend Y (executorch,
     onnx, coreml) run on this unit, where they were measured apart; a bundle of backend Y is
-    priced with them.
+    priced with them. `[delegates.X.backends.kernels]`: the streaming rates of edgemtp's own
+    Q4_0 kernel (one row, a verify's rows, from memory and from the cache) and its time per
+    element of a narrow row, which the decode, verify and draft steps of an ExecuTorch bundle
+    exported with `--kernels edgemtp` run (over the executorch section, for those calls only).
   - `few_rows_tops` (never in a TOML file): the throughput a linear on one row achieves, where it
     is not `peak_tops`' (a GEMV's kernel unpacks every weight for one row); on a verify's few
     rows the first pays it and the others `peak_tops`. Only rates fitted to published figures
@@ -82,6 +87,10 @@ What the fields mean (the simulator relies on these definitions):
     logit it chooses a token from, and per row a call carries beyond its first (a prefill
     chunk's, a verify's table gathers and input copies). Measured for edgemtp's Python host by
     `devices calibrate`; absent, the simulator prices the program calls alone and says so.
+    `host_call_us` is measured beside a program that streams past the cache between the
+    host's turns; `resident_host_call_us` (optional) beside one whose data stays in it, so the
+    host finds its own tables and buffers there too (a small model's calls; between the two
+    as the call's weights and K/V near `resident_mb`).
 """
 
 from __future__ import annotations
@@ -108,12 +117,14 @@ _TOP_NUMBERS = ("ram_gb", "idle_w")
 _DELEGATE_NUMBERS = ("memory_bandwidth_gbs", "peak_memory_bandwidth_gbs", "dispatch_us", "active_w")
 _DELEGATE_OPTIONAL_NUMBERS = (
     "threads", "idle_w", "peak_w", "host_call_us", "host_ns_per_logit", "host_us_per_row",
+    "resident_host_call_us",
     "call_us", "verify_bandwidth_gbs", "attention_tops", "attention_bandwidth_gbs",
     "ns_per_score", "ns_per_portable_element", "ns_per_element", "linear_us", "node_us",
     "resident_mb", "resident_bandwidth_gbs", "resident_verify_bandwidth_gbs",
     "ns_per_linear_element", "ns_per_gemv_element",
 )  # fmt: skip
-BACKENDS = ("executorch", "onnx", "coreml")
+# bundle backends, and "kernels": edgemtp's own kernels where an ExecuTorch bundle's steps run them
+BACKENDS = ("executorch", "onnx", "coreml", "kernels")
 # what a [delegates.X.backends.Y] section may replace for bundles of backend Y
 _BACKEND_NUMBERS = (
     "memory_bandwidth_gbs", "verify_bandwidth_gbs", "dispatch_us", "call_us", "host_call_us",
@@ -138,6 +149,7 @@ class DelegateProfile:
     threads: int | None = None
     peak_w: float | None = None
     host_call_us: float | None = None
+    resident_host_call_us: float | None = None
     host_ns_per_logit: float | None = None
     host_us_per_row: float | None = None
     call_us: float | None = None
@@ -157,14 +169,17 @@ class DelegateProfile:
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)
     few_rows_tops: float | None = None  # fitted rates only (devices/fit.py)
 
-    def for_backend(self, backend: str | None) -> DelegateProfile:
-        """This unit as a bundle of `backend` sees it: its kernels' bandwidth, throughput and
-        dispatch where the profile measured that backend apart."""
-        changes = self.backends.get(backend or "", {})
-        if not changes:
-            return self
-        tops = changes.get("peak_tops")
-        return replace(self, **{**changes, "peak_tops": tops or self.peak_tops}, backends={})
+    def for_backend(self, *backends: str | None) -> DelegateProfile:
+        """This unit as a bundle of `backends` sees it (each over the one before: a bundle's
+        backend, then the kernels its steps run): their bandwidth, throughput and dispatch
+        where the profile measured them apart."""
+        unit = self
+        for backend in backends:
+            changes = self.backends.get(backend or "", {})
+            if changes:
+                tops = changes.get("peak_tops") or unit.peak_tops
+                unit = replace(unit, **{**changes, "peak_tops": tops}, backends={})
+        return unit
 
 
 @dataclass(frozen=True)
@@ -357,6 +372,7 @@ class _Parser:
             threads=None if threads is None else int(threads),
             peak_w=optional.get("peak_w"),
             host_call_us=optional.get("host_call_us"),
+            resident_host_call_us=optional.get("resident_host_call_us"),
             host_ns_per_logit=optional.get("host_ns_per_logit"),
             host_us_per_row=optional.get("host_us_per_row"),
             call_us=optional.get("call_us"),

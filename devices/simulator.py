@@ -56,7 +56,8 @@ OPS_PER_LAYER = 150
 COMPUTE_DTYPE = {"cpu": "int8", "gpu": "fp16", "metal": "fp16", "npu": "fp16", "htp": "int8"}
 # Attention (activations x activations) runs in fp32 in XNNPACK CPU programs, fp16 elsewhere.
 ACTIVATION_DTYPE = {"cpu": "fp32", "gpu": "fp16", "metal": "fp16", "npu": "fp16", "htp": "fp16"}
-VERIFY_ROWS = 16  # calls of 2..16 rows stream weights at the profile's verify bandwidth
+VERIFY_ROWS = 16  # calls of 2..16 rows are a verify's few rows (`rows_rate`)
+VERIFY_PROBE_ROWS = 4  # the rows `devices calibrate` measures verify_bandwidth_gbs on
 RUNTIME_OVERHEAD_MB = 150.0  # the runtime itself (ExecuTorch, Python host), an estimate
 
 
@@ -126,6 +127,12 @@ class Model:
         """The verify method a round of `depth` drafts runs, and the rows it computes."""
         d = min((v for v in self.verify_depths if v >= depth), default=depth)
         return f"verify_{d}", d + 1
+
+    @property
+    def step_kernels(self) -> str | None:
+        """The profile section the decode, verify and draft steps' linears take their rates
+        from, where they run edgemtp's Q4_0 kernel ("kernels"; None: the bundle's backend's)."""
+        return "kernels" if self.step_bits_read is not None else None
 
     @property
     def bits(self) -> float:
@@ -282,12 +289,10 @@ def call_terms(
     the activation dtype besides the model's own (an ExecuTorch program's Q4_0 offset pairs and
     norm means), at that dtype's peak. Weights and K/V that fit the profile's `resident_mb`
     stream at a rate between its resident and memory rates, by their size (`cache_rate`)."""
-    verify_rows = 2 <= work.rows <= VERIFY_ROWS
-    bandwidth = unit.memory_bandwidth_gbs
-    if unit.verify_bandwidth_gbs and verify_rows:
-        bandwidth = unit.verify_bandwidth_gbs
-    resident = unit.resident_verify_bandwidth_gbs if verify_rows else None
-    resident = resident or unit.resident_bandwidth_gbs
+    bandwidth = rows_rate(unit.memory_bandwidth_gbs, unit.verify_bandwidth_gbs, work.rows)
+    resident = unit.resident_bandwidth_gbs
+    if resident:
+        resident = rows_rate(resident, unit.resident_verify_bandwidth_gbs, work.rows)
     if unit.resident_mb and resident:
         working_mb = (work.weight_bytes + work.cache_bytes) / 2**20
         bandwidth = cache_rate(working_mb, unit.resident_mb, resident, bandwidth)
@@ -331,6 +336,20 @@ def call_terms(
                  0.0, work.bytes, work.flops, dispatches, scores, elements)  # fmt: skip
 
 
+def rows_rate(one_row: float, verify: float | None, rows: int) -> float:
+    """GB/s a linear streams its weights at on `rows` rows, from its one-row rate and its rate
+    on `VERIFY_PROBE_ROWS` (None: the one-row rate on every row count): between them the time
+    per byte grows by the same step each row (a few-row kernel reads each weight once and
+    computes each row beside it); from the probe's rows to `VERIFY_ROWS`, the probe's rate; a
+    prompt chunk's many rows stream at the one-row rate (their FLOPs price them)."""
+    if not verify or not 2 <= rows <= VERIFY_ROWS:
+        return one_row
+    if rows >= VERIFY_PROBE_ROWS:
+        return verify
+    step = (1 / verify - 1 / one_row) / (VERIFY_PROBE_ROWS - 1)
+    return 1 / (1 / one_row + (rows - 1) * step)
+
+
 RESIDENT_PROBE_MB = 4.5  # what `devices calibrate` measures the resident rates on (8 int4
 # linears of 1024 x 1024: codes and bf16 scales), where the cache allows it
 
@@ -341,13 +360,30 @@ def cache_rate(working_mb: float, limit_mb: float, resident: float, memory: floa
     and between them a time per byte interpolated in log size: the measured rate falls
     gradually with the working set, and a step at half the cache predicted mid-sized models
     far too fast (benchmarks/README.md, "The simulator against this host")."""
+    far = past_cache(working_mb, limit_mb)
+    return 1 / ((1 - far) / resident + far / memory)
+
+
+def past_cache(working_mb: float, limit_mb: float) -> float:
+    """How far a working set of `working_mb` is from staying in the cache between calls: 0 up
+    to the resident probe's size, 1 from `limit_mb` on, in log size between them."""
     low = min(RESIDENT_PROBE_MB, limit_mb)
     if working_mb <= low:
-        return resident
+        return 0.0
     if working_mb >= limit_mb:
-        return memory
-    far = math.log(working_mb / low) / math.log(limit_mb / low)
-    return 1 / ((1 - far) / resident + far / memory)
+        return 1.0
+    return math.log(working_mb / low) / math.log(limit_mb / low)
+
+
+def host_call_us(unit: DelegateProfile, work: Work) -> float:
+    """The host's own time around one call: `host_call_us` where the program streams past the
+    cache between the host's turns, `resident_host_call_us` where its weights and K/V stay
+    (the host's tables and buffers stay too), between them as `cache_rate` interpolates."""
+    cold = unit.host_call_us or 0.0
+    if unit.resident_host_call_us is None or not unit.resident_mb:
+        return cold
+    far = past_cache((work.weight_bytes + work.cache_bytes) / 2**20, unit.resident_mb)
+    return unit.resident_host_call_us + far * (cold - unit.resident_host_call_us)
 
 
 def call_seconds(work: Work, unit: DelegateProfile, dtype: str, launches: int) -> float:
@@ -456,7 +492,7 @@ def plan_calls(model: Model, depths: tuple[int, ...], prompt: int, gen: int) -> 
 def price(call: Call, unit: DelegateProfile, dtype: str, vocab: int, factor: float = 1.0) -> Terms:
     """One call on `unit`: its kernels (`call_terms`) and the host's time around it (per call,
     per row beyond the first, per logit row chosen from), times the engine's `factor`."""
-    host = (unit.host_call_us or 0.0) + (call.rows - 1) * (unit.host_us_per_row or 0.0)
+    host = host_call_us(unit, call.work) + (call.rows - 1) * (unit.host_us_per_row or 0.0)
     host = host * 1e-6 + call.logits * (unit.host_ns_per_logit or 0.0) * 1e-9 * vocab
     terms = call_terms(call.work, unit, dtype, call.launches, *call.counts) + _host(host)
     return terms.slower(factor)
@@ -491,9 +527,11 @@ def simulate(
             f"--prompt {prompt} + --gen {gen} do not fit the context of {model.max_context}"
         )
     unit = device.delegates[delegate].for_backend(model.backend)
+    step_unit = device.delegates[delegate].for_backend(model.backend, model.step_kernels)
     factor = 1.0
     if rates is not None:
         unit, factor = rates.unit, rates.engine_factor
+        step_unit = unit
     dtype = compute_dtype(unit, delegate, model.quant)
     cfg = model.target
     plan = plan_calls(model, depths, prompt, gen)
@@ -506,11 +544,11 @@ def simulate(
     terms = {"prefill": prefill}
     draft_s = 0.0
     if plan.draft is not None:
-        terms["draft_step"] = price(plan.draft, unit, dtype, plan.vocab, factor)
+        terms["draft_step"] = price(plan.draft, step_unit, dtype, plan.vocab, factor)
         draft_s = terms["draft_step"].seconds
     round_s: dict[int, float] = {}
     for k in depths:
-        terms[f"verify_{k}"] = price(plan.verify[k], unit, dtype, plan.vocab, factor)
+        terms[f"verify_{k}"] = price(plan.verify[k], step_unit, dtype, plan.vocab, factor)
         round_s[k] = terms[f"verify_{k}"].seconds + k * draft_s
     expected = {k: acceptance.expected_tokens(k) for k in depths}
     decode = {k: expected[k] / round_s[k] for k in depths}
@@ -546,6 +584,10 @@ def simulate(
             else f"the profile's {model.backend} section for {delegate}"
             if model.backend in device.delegates[delegate].backends
             else f"the profile's {delegate} delegate",
+            "step_kernels": "the decode, verify and draft steps' linears at the profile's "
+            "kernels section (edgemtp's Q4_0 kernel)"
+            if rates is None and model.step_kernels in device.delegates[delegate].backends
+            else "the steps' linears at the same numbers",
             "engine": f"{rates.engine}, x{rates.engine_factor:.3g} time"
             if rates is not None
             else "the profile's numbers as they are (no engine factor)",

@@ -27,6 +27,7 @@ from edgemtp.devices.simulator import (
     call_seconds,
     call_terms,
     float_linear_flops,
+    host_call_us,
     kernel_step_bits,
     linear_weights,
     mean_acceptance,
@@ -349,6 +350,12 @@ def test_a_few_rows_stream_weights_at_the_verify_bandwidth():
     )
     assert call_seconds(four, unit, "int8", 0) == pytest.approx(1e8 / 2.5e9 + 30e-6)
     assert call_seconds(chunk, unit, "int8", 0) == call_seconds(one, unit, "int8", 0)
+    # between one row and the probe's four, the time per byte grows by one step a row
+    # (0.1 ns/B for one row, 0.4 for four: 0.2 for two, 0.3 for three); 5-16 rows at four's
+    for rows, ns_per_byte in ((2, 0.2), (3, 0.3), (8, 0.4), (16, 0.4)):
+        work = Work(flops=0.0, weight_bytes=1e8, rows=rows)
+        seconds = 1e8 * ns_per_byte * 1e-9 + 30e-6
+        assert call_seconds(work, unit, "int8", 0) == pytest.approx(seconds)
 
 
 def test_the_hosts_cost_is_added_per_call_per_row_and_per_logit_row():
@@ -376,6 +383,18 @@ def test_the_hosts_cost_is_added_per_call_per_row_and_per_logit_row():
     assert t["prefill"].host_s == pytest.approx(host)
     round_2 = t["verify_2"].seconds + 2 * t["draft_step"].seconds
     assert 1000 * round_2 == pytest.approx(hosted.round_ms[2])
+
+
+def test_the_host_costs_less_where_a_small_models_calls_leave_the_cache_warm():
+    """A call whose weights and K/V stay in the cache leaves the host's own data there too:
+    its host time is `resident_host_call_us`; past `resident_mb`, `host_call_us`; between the
+    probe's size and the limit, in log size as the streaming rate falls."""
+    unit = _unit(host_call_us=200.0, resident_host_call_us=100.0, resident_mb=16.0)
+    at = {mb: host_call_us(unit, Work(flops=0.0, weight_bytes=mb * 2**20)) for mb in (1, 4.5, 32)}
+    assert at == {1: 100.0, 4.5: 100.0, 32: 200.0}
+    middle = math.sqrt(4.5 * 16)  # halfway in log size
+    assert host_call_us(unit, Work(flops=0.0, weight_bytes=middle * 2**20)) == pytest.approx(150.0)
+    assert host_call_us(replace(unit, resident_host_call_us=None), Work(flops=0.0)) == 200.0
 
 
 def test_a_prompt_is_priced_through_the_context_bucket_its_chunks_fit():
@@ -509,11 +528,20 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path, capsys):
     assert all(onnx.__dict__[name] is None or onnx.__dict__[name] > 0 for name in elements)
     if cpu.resident_mb:
         assert all(getattr(unit, name) > 0 for name in resident for unit in (cpu, onnx))
+        assert cpu.resident_host_call_us > 0  # the host beside a program that stays cached
     assert cpu.node_us > 0
     for unit in (cpu, onnx):
         assert all(getattr(unit, name) > 0 for name in attention)
     assert cpu.ns_per_portable_element > 0 and onnx.ns_per_element > 0
     assert onnx.peak_tops.keys() == {"int8"} and onnx.memory_bandwidth_gbs > 0
+    # edgemtp's Q4_0 kernel, where its library loads (the steps of a --kernels edgemtp bundle)
+    kernels = cpu.for_backend("executorch", "kernels")
+    assert set(cpu.backends["kernels"]) == {
+        "memory_bandwidth_gbs", "verify_bandwidth_gbs", "ns_per_gemv_element",
+        *(resident if cpu.resident_mb else ()),
+    }  # fmt: skip
+    assert kernels.verify_bandwidth_gbs > 0 and kernels.dispatch_us == cpu.dispatch_us
+    assert kernels.memory_bandwidth_gbs not in (cpu.memory_bandwidth_gbs, onnx.memory_bandwidth_gbs)
     measured = [k for k, (src, _) in host.sources.items() if src.startswith("measured")]
     assert {"delegates.cpu.memory_bandwidth_gbs", "delegates.cpu.dispatch_us",
             "delegates.cpu.host_call_us"} <= set(measured)  # fmt: skip
@@ -553,6 +581,21 @@ def test_steps_through_the_q4_0_kernel_read_its_blocks_and_prompt_chunks_read_8d
             runs["plain"].terms[term].seconds
         )
         assert runs["kernel"].terms[term].seconds < runs["stored"].terms[term].seconds
+    # where a profile measured the kernel apart (`devices calibrate`), the steps stream their
+    # weights at its rates and prompt chunks at the executorch ones
+    cpu = profile.delegates["cpu"]
+    rates = {"memory_bandwidth_gbs": cpu.memory_bandwidth_gbs / 2, "verify_bandwidth_gbs": 3.0}
+    cpu = replace(cpu, backends={"kernels": rates})
+    measured = replace(profile, delegates={**profile.delegates, "cpu": cpu})
+    slow = simulate(kernel, measured, "cpu", (0, 2), acceptance, 256, 16)
+    assert slow.ttft_s == pytest.approx(runs["kernel"].ttft_s)
+    for term in ("verify_0", "verify_2", "draft_step"):
+        weights = runs["kernel"].terms[term].memory_s
+        assert slow.terms[term].memory_s > 1.5 * weights
+    assert "kernels section" in slow.assumptions["step_kernels"]
+    assert simulate(stored, measured, "cpu", (0,), acceptance, 256, 16).terms[
+        "verify_0"
+    ].seconds == pytest.approx(runs["stored"].terms["verify_0"].seconds)  # no kernel: unchanged
 
 
 def test_an_int8_cache_is_priced_by_its_rows_bytes(capsys):

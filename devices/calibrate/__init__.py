@@ -6,6 +6,7 @@ not on factors fitted to benchmarks:
 - `xnnpack`: ExecuTorch's XNNPACK kernels: weights streamed past and from the cache, GEMM
   throughput, the cost per operator, per node and per call, attention, the portable kernels;
 - `onnxruntime`: the same for ONNX Runtime (the profile's `[delegates.cpu.backends.onnx]`);
+- `kernels`: edgemtp's own Q4_0 kernel, as a bundle's steps run it (`[...backends.kernels]`);
 - `host`: the cache's size, edgemtp's own time per call, logit and row, power;
 - `measure`: how a call is timed, and the fits from timings to the simulator's terms;
 - `profile`: the measurements as TOML, each with where it came from.
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from edgemtp.devices.calibrate.host import host_costs, measured_power, resident_mb, resident_size
+from edgemtp.devices.calibrate.kernels import kernel_rates
 from edgemtp.devices.calibrate.measure import RESIDENT_LINEARS, VERIFY_PROBE_ROWS
 from edgemtp.devices.calibrate.onnxruntime import onnx_attention, onnx_kernels, onnx_ns_per_element
 from edgemtp.devices.calibrate.profile import Measurements, profile_toml
@@ -68,6 +70,8 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
         resident = {
             rows: resident_bandwidth(side, rows, fixed_us) for rows in (1, VERIFY_PROBE_ROWS)
         }
+    say("edgemtp's Q4_0 kernel (one row and a verify's, streamed and from the cache)")
+    kernels = kernel_rates(side, per_call + RESIDENT_LINEARS * per_op, quick)
     say("ONNX Runtime's kernels (MatMulNBits, per-node dispatch)")
     ort = onnx_kernels(threads, quick, limit_mb)
     say("attention (masked softmax between batched matmuls), XNNPACK and ONNX Runtime")
@@ -77,7 +81,7 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
     ort_attention = onnx_attention(threads, quick)
     ort_elements = onnx_ns_per_element(threads, quick)
     say("edgemtp's host side (decoding beside a stand-in program)")
-    host_call_us, host_ns_per_logit, host_row_us = host_costs(quick)
+    host = host_costs(quick)
     say("power")
     power = measured_power(0.2 if quick else 3.0)
     return profile_toml(
@@ -99,13 +103,15 @@ def calibrate(threads: int, say: Say, quick: bool = False) -> str:
             resident_side=side,
             resident=resident,
             onnx=ort,
+            kernels=kernels,
             attention=attention,
             ns_per_portable_element=portable_ns,
             onnx_attention=ort_attention,
             onnx_ns_per_element=ort_elements,
-            host_call_us=host_call_us,
-            host_ns_per_logit=host_ns_per_logit,
-            host_us_per_row=host_row_us,
+            host_call_us=host.call_us,
+            resident_host_call_us=host.resident_call_us if limit_mb is not None else None,
+            host_ns_per_logit=host.ns_per_logit,
+            host_us_per_row=host.row_us,
             power=power,
         )
     )

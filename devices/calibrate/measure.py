@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from edgemtp.devices.simulator import VERIFY_PROBE_ROWS  # noqa: F401  (the probes' rows)
+
 Call = Callable[[], object]  # what a probe times: one run of a kernel, or several in a row
-VERIFY_PROBE_ROWS = 4  # a verify of 3 drafts
 # The least a fitted per-call or per-operator overhead is written as: a difference of two
 # timings can come out at or under zero when the overhead is below the machine's noise, and a
 # profile takes positive numbers only.

@@ -10,6 +10,7 @@ import platform
 from dataclasses import dataclass
 
 from edgemtp.devices.calibrate.host import cpu_name
+from edgemtp.devices.calibrate.kernels import NARROW_Q4_0, NARROW_Q4_0_QUICK
 from edgemtp.devices.calibrate.measure import (
     ATTENTION_SHAPES,
     GEMM_QUICK,
@@ -121,11 +122,13 @@ class Measurements:
     resident_side: int
     resident: dict[int, float]  # rows: GB/s with the weights in the cache
     onnx: dict[str, float]  # `onnx_kernels`
+    kernels: dict[str, float]  # `kernel_rates`
     attention: tuple[float, float, float]
     ns_per_portable_element: float
     onnx_attention: tuple[float, float, float]
     onnx_ns_per_element: float
     host_call_us: float
+    resident_host_call_us: float | None  # None: no cache size to price it by
     host_ns_per_logit: float
     host_us_per_row: float
     power: tuple[float, float] | str  # (idle W, busy W), or why there is no reading
@@ -221,8 +224,21 @@ def profile_toml(m: Measurements) -> str:
             m.host_call_us,
             src,
             "edgemtp's Python host per program call: greedy decoding of the embedded model's "
-            "shapes through StaticBackend over a program that costs nothing, median step less "
-            "its argmax",
+            "shapes through StaticBackend over a stand-in program that streams 32 MiB of int4 "
+            "weights (past the cache) per call, median step less its argmax",
+        ),
+        *(
+            [
+                "resident_host_call_us = "
+                + _entry(
+                    m.resident_host_call_us,
+                    src,
+                    "the same beside a stand-in that streams a 64 x 64 int4 linear (the "
+                    "program's data and the host's own stay in the cache)",
+                )
+            ]
+            if m.resident_host_call_us is not None
+            else []
         ),
         "host_ns_per_logit = "
         + _entry(m.host_ns_per_logit, src, "numpy argmax over a 262144-logit row, best median"),
@@ -301,4 +317,30 @@ def profile_toml(m: Measurements) -> str:
         + _entry(m.onnx["int8_tops"], src, "MatMulNBits with int8 activations (accuracy level 4, "
                  "as ONNX cpu bundles export by default): " + _peak_note(m.quick)),
     ]  # fmt: skip
+    if m.kernels:
+        lines += _kernel_lines(m, src)
     return "\n".join(lines) + "\n"
+
+
+def _kernel_lines(m: Measurements, src: str) -> list[str]:
+    """The `[delegates.cpu.backends.kernels]` section: edgemtp's Q4_0 kernel's rates."""
+    narrow = " x ".join(map(str, NARROW_Q4_0_QUICK if m.quick else NARROW_Q4_0))
+    return [
+        "",
+        "[delegates.cpu.backends.kernels]",
+        "memory_bandwidth_gbs = "
+        + _entry(m.kernels["memory_bandwidth_gbs"], src, f"Q4_0 bytes (codes, float16 scales) / "
+                 f"time of one row through a chain of {STREAM_LINEARS} edgemtp::q4_0_linear of "
+                 f"{'1024' if m.quick else '8192'} x same in an ExecuTorch program, median of 9"),
+        "verify_bandwidth_gbs = "
+        + _entry(m.kernels["verify_bandwidth_gbs"], src, f"the same chain on {VERIFY_PROBE_ROWS} "
+                 "rows (the kernel reads each weight once and computes every row beside it)"),
+        "ns_per_gemv_element = "
+        + _entry(m.kernels["ns_per_gemv_element"], src, "edgemtp::q4_0_linear on one row of a "
+                 f"narrow linear ({narrow}, an LM head's shape class, past the caches): its "
+                 "time beyond its bytes at memory_bandwidth_gbs, per element it reads or "
+                 "writes, median of 25 interleaved with the streaming chain"),
+        *_resident_lines({r: m.kernels[k] for r, k in ((1, "resident_bandwidth_gbs"),
+                         (VERIFY_PROBE_ROWS, "resident_verify_bandwidth_gbs")) if k in m.kernels},
+                         m.resident_side, src, "edgemtp::q4_0_linear kernels"),
+    ]  # fmt: skip
