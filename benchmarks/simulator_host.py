@@ -1,13 +1,16 @@
 """The simulator against this host: `edgemtp bench` measurements beside its predictions.
 
     python benchmarks/simulator_host.py [--work /work/val] [--threads 1] [--repeat 5]
+        [--peer PEER-90M-Q4_0.gguf] [--only BUNDLE ...] [--predict-again]
 
-Builds (once, under --work) two model sizes for two backends:
+Builds (once, under --work) two model sizes for two backends, and with --peer a third:
 
 - demo-et, demo-onnx: the embedded pair (16 M target, trained; its own drafter), Q4_0,
   ExecuTorch XNNPACK and ONNX Runtime CPU, max context 512, depth 3, chunk 64;
 - e2b-et, e2b-onnx: `synth --preset e2b --scale 0.25` with its assistant (random weights,
   262144-token vocabulary), Q4_0, max context 1024, depth 3, chunk 128;
+- peer-et: PEER-90M (benchmarks/peers), target alone, from its Q4_0 GGUF as the peer table
+  exports it (ExecuTorch, max context 4096, chunk 128);
 
 and for each bundle calibrates this host (`edgemtp devices calibrate --threads N`, into --work),
 at once runs `edgemtp bench` on it with that profile: prefill (pp) and decode (tg) at depths
@@ -24,6 +27,7 @@ import argparse
 import json
 import math
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -37,7 +41,7 @@ MODELS = REPO / "checkpoints"
 WITHIN = 0.25
 
 
-def bundles(work: Path) -> dict[str, dict[str, Any]]:
+def bundles(work: Path, peer: Path | None = None) -> dict[str, dict[str, Any]]:
     demo = [
         "--model",
         str(MODELS / "embedded-target"),
@@ -52,14 +56,29 @@ def bundles(work: Path) -> dict[str, dict[str, Any]]:
            "--max-context", "1024", "--prefill-chunk", "128"]  # fmt: skip
     demo_bench = ["--pp", "128,448", "--tg", "64", "--mtp", "0,1,2,3"]
     e2b_bench = ["--pp", "128,512", "--tg", "64", "--mtp", "0,2", "--acceptance-oracle", "0.7"]
-    return {
+    found = {
         f"{size}-{backend}": {
-            "export": [*args, "--backend", "executorch" if backend == "et" else "onnx"],
+            "export": [
+                *args,
+                "--backend",
+                "executorch" if backend == "et" else "onnx",
+                "--quant",
+                "q4_0",
+                "--draft-depth",
+                "3",
+            ],
             "bench": bench,
         }
         for size, args, bench in (("demo", demo, demo_bench), ("e2b", e2b, e2b_bench))
         for backend in ("et", "onnx")
     }
+    if peer is not None:  # PEER-90M, target alone, as benchmarks/peers exports it
+        found["peer-et"] = {
+            "export": ["--model", str(peer), "--backend", "executorch", "--max-context", "4096",
+                       "--prefill-chunk", "128", "--quant", "auto"],
+            "bench": ["--pp", "128,512", "--tg", "64", "--mtp", "0"],
+        }  # fmt: skip
+    return found
 
 
 def run(command: list[str], log: Path) -> None:
@@ -68,17 +87,16 @@ def run(command: list[str], log: Path) -> None:
         subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
 
 
-def build(work: Path, log: Path) -> None:
+def build(work: Path, log: Path, peer: Path | None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "e2b-s0.25" / "config.json").is_file():
         run([*EDGEMTP, "synth", "--preset", "e2b", "--scale", "0.25", "--out",
              str(work / "e2b-s0.25")], log)  # fmt: skip
         run([*EDGEMTP, "synth", "--preset", "e2b-assistant", "--scale", "0.25", "--out",
              str(work / "e2b-s0.25-a")], log)  # fmt: skip
-    for name, spec in bundles(work).items():
+    for name, spec in bundles(work, peer).items():
         if not (work / name / "manifest.json").is_file():
-            run([*EDGEMTP, "export", *spec["export"], "--quant", "q4_0", "--draft-depth", "3",
-                 "--out", str(work / name)], log)  # fmt: skip
+            run([*EDGEMTP, "export", *spec["export"], "--out", str(work / name)], log)
 
 
 def profile_of(work: Path, name: str, threads: int, when: str = "") -> Path:
@@ -87,11 +105,17 @@ def profile_of(work: Path, name: str, threads: int, when: str = "") -> Path:
     return work / f"host-{threads}-{name}{'-' + when if when else ''}.toml"
 
 
-def measure(work: Path, threads: int, repeat: int, log: Path) -> list[dict[str, Any]]:
-    """Per bundle: calibrate, bench at once with that profile, calibrate again. This shared
-    host's speed drifts by up to 2x within minutes; a profile measured minutes before a bench
-    can miss it by that much, whatever the model. The two calibrations bracket the bench."""
-    for name, spec in bundles(work).items():
+def measure(
+    work: Path, threads: int, repeat: int, log: Path, peer: Path | None, only: list[str]
+) -> list[dict[str, Any]]:
+    """Per bundle (those named in `only`, or all): calibrate, bench at once with that
+    profile, calibrate again. This shared host's speed drifts by up to 2x within minutes; a
+    profile measured minutes before a bench can miss it by that much, whatever the model. The
+    two calibrations bracket the bench."""
+    for name, spec in bundles(work, peer).items():
+        if only and name not in only:
+            continue
+        shutil.rmtree(work / f"bench-{name}", ignore_errors=True)  # one result per bundle
         calibrate = [*EDGEMTP, "devices", "calibrate", "--threads", str(threads), "--out"]
         run([*calibrate, str(profile_of(work, name, threads))], log)
         out = work / f"bench-{name}"
@@ -99,10 +123,10 @@ def measure(work: Path, threads: int, repeat: int, log: Path) -> list[dict[str, 
              str(threads), "--repeat", str(repeat), "--device",
              str(profile_of(work, name, threads)), "--out", str(out)], log)  # fmt: skip
         run([*calibrate, str(profile_of(work, name, threads, "after"))], log)
-    return repredict(work, threads)
+    return repredict(work, threads, peer)
 
 
-def repredict(work: Path, threads: int) -> list[dict[str, Any]]:
+def repredict(work: Path, threads: int, peer: Path | None) -> list[dict[str, Any]]:
     """The benches under --work predicted with the simulator as it is now, from the profile
     calibrated before each bench and, where there is one, the one calibrated after it: a row's
     prediction is the geometric mean of the two (the host's state during the bench lies between
@@ -111,7 +135,7 @@ def repredict(work: Path, threads: int) -> list[dict[str, Any]]:
     from edgemtp.runtime.bench import BenchPlan
 
     docs = []
-    for name in bundles(work):
+    for name in bundles(work, peer):
         (result,) = (work / f"bench-{name}" / "results").glob("*.json")
         doc = json.loads(result.read_text())
         p = doc["plan"]
@@ -218,16 +242,28 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
+        "--peer",
+        type=Path,
+        help="PEER-90M's Q4_0 GGUF (benchmarks/peers/run.py builds it): also its bundle",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        help="measure these bundles again (say, one whose bench the host's drift spoiled); "
+        "the others' benches under --work stay",
+    )
+    parser.add_argument(
         "--predict-again", action="store_true", help="reuse the benches under --work, predict anew"
     )
     args = parser.parse_args()
     log = args.work / "simulator_host.log"
     args.work.mkdir(parents=True, exist_ok=True)
     if args.predict_again:
-        docs = repredict(args.work, args.threads)
+        docs = repredict(args.work, args.threads, args.peer)
     else:
-        build(args.work, log)
-        docs = measure(args.work, args.threads, args.repeat, log)
+        build(args.work, log, args.peer)
+        docs = measure(args.work, args.threads, args.repeat, log, args.peer, args.only)
     machine = docs[0]["machine"]
     result = {
         "command": command_line("simulator_host.py"),
