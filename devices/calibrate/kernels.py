@@ -15,6 +15,7 @@ from edgemtp.devices.calibrate.measure import (
     interleaved_medians,
     stream_rate,
 )
+from edgemtp.model.cost import BITS_PER_WEIGHT
 
 
 class Q4_0Chain(torch.nn.Module):
@@ -43,7 +44,7 @@ class Q4_0Chain(torch.nn.Module):
 
 def q4_0_weight_bytes(n_in: int, n_out: int) -> float:
     """Bytes the kernel reads for a linear: 4-bit codes and a float16 scale per 32 weights."""
-    return n_in * n_out * 18 / 32
+    return n_in * n_out * BITS_PER_WEIGHT["q4_0"] / 8
 
 
 def q4_0_program(n: int, count: int, rows: int, outputs: int | None = None):  # type: ignore[no-untyped-def]
@@ -60,7 +61,7 @@ def q4_0_program(n: int, count: int, rows: int, outputs: int | None = None):  # 
 def q4_0_rates(
     n: int, count: int, fixed_us: float, calls: int, rows: tuple[int, ...] = (1, VERIFY_PROBE_ROWS)
 ) -> dict[int, float]:
-    """Rows (1 and `VERIFY_PROBE_ROWS`) -> GB/s of Q4_0 bytes the kernel reads through `count`
+    """Each of `rows` -> GB/s of Q4_0 bytes the kernel reads on that many rows through `count`
     linears of n x n, called `calls` times in a row (median of 9), less `fixed_us` per call
     (what the simulator prices apart). Small enough a chain stays in the cache from one call
     to the next (the resident rates); 8 x 8192 x 8192 (288 MiB) streams from memory."""

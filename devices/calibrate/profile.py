@@ -331,10 +331,12 @@ def _kernel_lines(m: Measurements, src: str) -> list[str]:
         "memory_bandwidth_gbs = "
         + _entry(m.kernels["memory_bandwidth_gbs"], src, f"Q4_0 bytes (codes, float16 scales) / "
                  f"time of one row through a chain of {STREAM_LINEARS} edgemtp::q4_0_linear of "
-                 f"{'1024' if m.quick else '8192'} x same in an ExecuTorch program, median of 9"),
+                 f"{'1024' if m.quick else '8192'} x same in an ExecuTorch program, median of 25 "
+                 "interleaved with the narrow probe below"),
         "verify_bandwidth_gbs = "
         + _entry(m.kernels["verify_bandwidth_gbs"], src, f"the same chain on {VERIFY_PROBE_ROWS} "
-                 "rows (the kernel reads each weight once and computes every row beside it)"),
+                 "rows (the kernel reads each weight once and computes every row beside it), "
+                 "median of 9"),
         "ns_per_gemv_element = "
         + _entry(m.kernels["ns_per_gemv_element"], src, "edgemtp::q4_0_linear on one row of a "
                  f"narrow linear ({narrow}, an LM head's shape class, past the caches): its "
