@@ -336,6 +336,23 @@ def call_terms(
                  0.0, work.bytes, work.flops, dispatches, scores, elements)  # fmt: skip
 
 
+def q4_0_kernel(unit: DelegateProfile, dtype: str, measured: dict[str, Any]) -> DelegateProfile:
+    """`unit` as edgemtp's Q4_0 kernel computes a step's linears, from its profile section
+    (`measured`): its few rows at the FLOP rate its `VERIFY_PROBE_ROWS`-row probe achieved (2
+    FLOPs per weight and row at `verify_bandwidth_gbs`' Q4_0 bytes: it computes each row beside
+    reading the weights once), each row's elements at its `ns_per_gemv_element`; XNNPACK's
+    GEMM peak and element cost, which the executorch section holds, are not this kernel's."""
+    if "verify_bandwidth_gbs" not in measured:
+        return unit
+    weights_per_s = measured["verify_bandwidth_gbs"] * 1e9 / (BITS_PER_WEIGHT["q4_0"] / 8)
+    tops = 2 * VERIFY_PROBE_ROWS * weights_per_s / 1e12
+    return replace(
+        unit,
+        peak_tops={**unit.peak_tops, dtype: tops},
+        ns_per_linear_element=measured.get("ns_per_gemv_element"),
+    )
+
+
 def rows_rate(one_row: float, verify: float | None, rows: int) -> float:
     """GB/s a linear streams its weights at on `rows` rows, from its one-row rate and its rate
     on `VERIFY_PROBE_ROWS` (None: the one-row rate on every row count): between them the time
@@ -527,12 +544,15 @@ def simulate(
             f"--prompt {prompt} + --gen {gen} do not fit the context of {model.max_context}"
         )
     unit = device.delegates[delegate].for_backend(model.backend)
-    step_unit = device.delegates[delegate].for_backend(model.backend, model.step_kernels)
     factor = 1.0
     if rates is not None:
         unit, factor = rates.unit, rates.engine_factor
-        step_unit = unit
     dtype = compute_dtype(unit, delegate, model.quant)
+    step_unit = unit
+    kernels = device.delegates[delegate].backends.get(model.step_kernels or "")
+    if rates is None and kernels:
+        step_unit = device.delegates[delegate].for_backend(model.backend, model.step_kernels)
+        step_unit = q4_0_kernel(step_unit, dtype, kernels)
     cfg = model.target
     plan = plan_calls(model, depths, prompt, gen)
 

@@ -33,6 +33,7 @@ from edgemtp.devices.simulator import (
     mean_acceptance,
     model_from_preset,
     portable_elements,
+    q4_0_kernel,
     simulate,
     trace_acceptance,
 )
@@ -593,6 +594,13 @@ def test_steps_through_the_q4_0_kernel_read_its_blocks_and_prompt_chunks_read_8d
         weights = runs["kernel"].terms[term].memory_s
         assert slow.terms[term].memory_s > 1.5 * weights
     assert "kernels section" in slow.assumptions["step_kernels"]
+    # the kernel computes a few rows at the FLOP rate its 4-row probe streamed at (2 FLOPs per
+    # weight and row: 4.5 GB/s of 4.5-bit weights on 4 rows is 64 GFLOPS), each row's
+    # elements at its one-row element cost, not XNNPACK's GEMM peak and element cost
+    own = q4_0_kernel(cpu, "int8", {"verify_bandwidth_gbs": 4.5, "ns_per_gemv_element": 2.0})
+    assert own.peak_tops == {**cpu.peak_tops, "int8": pytest.approx(0.064)}
+    assert own.ns_per_linear_element == 2.0
+    assert q4_0_kernel(cpu, "int8", {"memory_bandwidth_gbs": 9.0}) is cpu
     assert simulate(stored, measured, "cpu", (0,), acceptance, 256, 16).terms[
         "verify_0"
     ].seconds == pytest.approx(runs["stored"].terms["verify_0"].seconds)  # no kernel: unchanged
