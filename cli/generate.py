@@ -77,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--kv-cache",
         choices=KV_CACHE_KINDS,
         help="the reference cache's dtype (--model; default fp32); int8: one scale per token "
-        "and KV head, for K and V, q . k over the codes with the query rounded alike",
+        "and KV head, for K and V",
     )
     p.add_argument(
         "--numerics",

@@ -176,19 +176,16 @@ class Primitives:
         return queries, keys, values
 
     def extend(self, past: Segments, new: Tensor) -> Segments:
-        # the new rows as the cache will give them back: an int8 cache's as its rows (attention
-        # reads them), a float16 one's rounded (the concatenation promotes the cache; a cast of
-        # it would be an op on the cache Core ML's states do not survive)
+        # an int8 cache read widened (a float16 one is promoted by the concatenation; a cast of
+        # it would be an op on the cache Core ML's states do not survive), and the new rows as
+        # the cache will give them back
         stored = past[0].dtype if past else new.dtype
-        if stored == torch.int8:
-            return (torch.cat([*past, stored_rows(new, stored)], dim=1),)
+        past = tuple(read_rows(p, new.dtype) if p.dtype == torch.int8 else p for p in past)
         return (torch.cat([*past, as_stored(new, stored)], dim=1),)
 
     def attention(self, q: Tensor, keys: Segments, values: Segments, mask: Tensor) -> Tensor:
         k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
         v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
-        if k.dtype == torch.int8:  # q . k over int8 codes: the query rounded as a K row is
-            q = as_stored(q, k.dtype)
         k, v = read_rows(k, q.dtype), read_rows(v, q.dtype)  # a narrower cache, widened
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
         return out.transpose(0, 1).reshape(q.shape[1], -1)

@@ -99,7 +99,7 @@ class Case:
 
 def numpy_attention(inputs: tuple[torch.Tensor | None, ...], allowed: np.ndarray) -> np.ndarray:
     """With a float16 or int8 cache the call's own keys count as stored too (as they will be:
-    float16, or numpy's int8 rounding); with an int8 cache the query is rounded as a K row."""
+    float16, or numpy's int8 rounding)."""
     stored = inputs[1].dtype
     int8 = stored == torch.int8
 
@@ -112,8 +112,6 @@ def numpy_attention(inputs: tuple[torch.Tensor | None, ...], allowed: np.ndarray
         return cached(torch.from_numpy(numpy_int8_rows(t.numpy())) if int8 else t.to(stored))
 
     q, k, v, k_new, v_new, _ = inputs
-    if int8:  # q . k over int8 codes: the query rounded as a K row is
-        q = torch.from_numpy(numpy_read_int8_rows(numpy_int8_rows(q.numpy())))
     q, k, v, k_new, v_new = q.double().numpy(), cached(k), cached(v), own(k_new), own(v_new)
     rows, keys = allowed.shape
     fresh = 0 if k_new is None else k_new.shape[1]

@@ -27,11 +27,8 @@
 // head_dim]: row t holds every head's output for mask row t (head kv * group + g from query
 // row g * rows + t), the input layout of the output projection, so no transpose (a delegate
 // call of its own in a program) runs between the kernel and that projection.
-// Scores are q . k (scale 1.0). Over an int8 cache q . k is an integer dot product: each query
-// row rounded to int8 as a K row is stored (codes, one scale), codes . codes summed exactly,
-// times the two rows' scales (llama.cpp rounds the query to Q8_0 for a q8_0 K cache alike); it
-// takes a quarter of the instructions the codes widened to float took. A row that every key
-// blocks gets zeros (the static programs never build one).
+// Scores are q . k (scale 1.0). A row that every key blocks gets zeros (the static programs
+// never build one).
 
 //
 // Plain C++ without ExecuTorch (the thread pool aside: parallel.h), so the tests build it alone,
@@ -279,115 +276,14 @@ void block_scores(const float* q, int64_t dim, const T* const* keys, int64_t n, 
   }
 }
 
-// The integer dot products of R query rows with two keys, an int8 cache's codes (q rounded to
-// int8 per row as a K row is). Every variant sums the same integers exactly, so scores agree
-// across CPUs bit for bit: on AVX2 32 products a step as unsigned |k| times q signed like k
-// (`vpmaddubsw`, pairs within int16: 2 x 127 x 127), on AVX-512 VNNI `vpdpbusd`, on NEON
-// `smull` pairs widened into int32 lanes.
-template <int R>
-void int8_dots(const int8_t* q, int64_t q_stride, int64_t dim, const int8_t* k0,
-               const int8_t* k1, int32_t* dots /* [2][R] */) {
-  int64_t d = 0;
-#if defined(__AVX2__)
-  __m256i a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
-  for (; d + 32 <= dim; d += 32) {
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + d));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1 + d));
-    const __m256i u0 = _mm256_abs_epi8(x0), u1 = _mm256_abs_epi8(x1);
-    for (int r = 0; r < R; ++r) {
-      const __m256i qr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * q_stride + d));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      a0[r] = _mm256_dpbusd_epi32(a0[r], u0, _mm256_sign_epi8(qr, x0));
-      a1[r] = _mm256_dpbusd_epi32(a1[r], u1, _mm256_sign_epi8(qr, x1));
-#else
-      a0[r] = _mm256_add_epi32(
-          a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(qr, x0)), ones));
-      a1[r] = _mm256_add_epi32(
-          a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(qr, x1)), ones));
-#endif
-    }
-  }
-  if constexpr (R == 4) {  // as lane_sums: [key 0's rows | key 1's rows] in one register
-    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0[0], a0[1]),
-                                         _mm256_hadd_epi32(a0[2], a0[3]));
-    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a1[0], a1[1]),
-                                         _mm256_hadd_epi32(a1[2], a1[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots),
-                        _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
-                                         _mm256_permute2x128_si256(h0, h1, 0x31)));
-  } else {
-  alignas(32) int32_t lanes[8];
-  for (int r = 0; r < R; ++r) {
-    for (int key = 0; key < 2; ++key) {
-      // 8 lanes to 4 (halves added), then to one: a few instructions per key and row
-      const __m256i a = key ? a1[r] : a0[r];
-      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-      _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
-      dots[key * R + r] = lanes[0];
-    }
-  }
-  }
-#elif defined(__ARM_NEON) && defined(__aarch64__)
-  int32x4_t a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = vdupq_n_s32(0);
-  for (; d + 16 <= dim; d += 16) {
-    const int8x16_t x0 = vld1q_s8(k0 + d), x1 = vld1q_s8(k1 + d);
-    for (int r = 0; r < R; ++r) {
-      const int8x16_t qr = vld1q_s8(q + r * q_stride + d);
-      a0[r] = vpadalq_s16(vpadalq_s16(a0[r], vmull_s8(vget_low_s8(qr), vget_low_s8(x0))),
-                          vmull_high_s8(qr, x0));
-      a1[r] = vpadalq_s16(vpadalq_s16(a1[r], vmull_s8(vget_low_s8(qr), vget_low_s8(x1))),
-                          vmull_high_s8(qr, x1));
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    dots[r] = vaddvq_s32(a0[r]);
-    dots[R + r] = vaddvq_s32(a1[r]);
-  }
-#else
-  for (int r = 0; r < R; ++r) dots[r] = dots[R + r] = 0;
-#endif
-  for (; d < dim; ++d) {  // past the last whole register (none for real heads)
-    for (int r = 0; r < R; ++r) {
-      dots[r] += q[r * q_stride + d] * k0[d];
-      dots[R + r] += q[r * q_stride + d] * k1[d];
-    }
-  }
-}
-
-// scores[r * stride + i] = (q[r] codes . keys[i] codes) * q[r]'s scale for R query rows of an
-// int8 cache (the key's scale is applied with the mask); q's rows as an int8 cache stores them.
-template <int R>
-void block_scores(const int8_t* q, int64_t dim, const int8_t* const* keys, int64_t n,
-                  float* scores, int64_t stride) {
-  const int64_t q_stride = dim + kScaleBytes;
-  float q_scale[R];
-  for (int r = 0; r < R; ++r) q_scale[r] = row_scale(q + r * q_stride, dim);
-  for (int64_t i = 0; i < n; i += 2) {
-    int32_t dots[2 * R];
-    // an odd last key is paired with itself
-    int8_dots<R>(q, q_stride, dim, keys[i], keys[i + 1 < n ? i + 1 : i], dots);
-    for (int key = 0; key < 2 && i + key < n; ++key) {
-      for (int r = 0; r < R; ++r) {
-        scores[r * stride + i + key] = static_cast<float>(dots[key * R + r]) * q_scale[r];
-      }
-    }
-  }
-}
-
-// out[r * dim + d] = sum over i of weights[r * stride + i] * values[i][d], for R rows, two
+// out[r * dim + d] (+)= sum over i of weights[r * stride + i] * values[i][d], for R rows, two
 // vectors of columns at a time, over blocks of keys whose value rows stay in L1.
 constexpr int64_t kKeyBlock = 32;
 
 template <int R, typename T>
 void block_values(const float* weights, int64_t stride, const T* const* values, int64_t n,
-                  int64_t dim, float* out) {
-  std::fill(out, out + R * dim, 0.0f);
+                  int64_t dim, float* out, bool accumulate) {
+  if (!accumulate) std::fill(out, out + R * dim, 0.0f);
   for (int64_t first = 0; first < n; first += kKeyBlock) {
     const int64_t last = std::min(n, first + kKeyBlock);
     int64_t d = 0;
@@ -441,17 +337,15 @@ struct Partial {  // one chunk's softmax state per query row: max, sum, unnormal
   float* acc;
 };
 
-// One call's inputs: the cache's element type T (float, Float16 or int8_t rows); the call's own
-// keys and values come as the cache will store them, rows of T too. With an int8 cache the
-// query rows come as int8 rows as well (`q8`), for integer q . k.
-template <typename T>
+// One call's inputs: the cache's element type T (float, Float16 or int8_t rows), the call's own
+// keys' O (as they will be stored: T, or float rounded through int8).
+template <typename T, typename O>
 struct Call {
   const float* q;
-  const int8_t* q8;  // an int8 cache's calls: q's rows as the cache would store them
   const T* k_cache;
   const T* v_cache;
-  const T* k_new;
-  const T* v_new;
+  const O* k_new;
+  const O* v_new;
   const float* mask;
   int64_t q_rows, dim, rows, keys, cached, fresh, slots, chunks;
 
@@ -468,34 +362,39 @@ struct Call {
       for (int64_t t = 0; t < rows && !open; ++t) open = mask[t * keys + j] > kBlocked;
       if (open) live[n++] = j;
     }
-    // the cache's keys, then the call's own (they come last)
+    // the cache's keys, then the call's own: live is ascending and they come last
     constexpr bool kInt8 = std::is_same_v<T, int8_t>;
-    const int64_t width = row_width<T>(dim);
-    const T* k_rows[kChunk];
-    const T* v_rows[kChunk];
+    const T* cache_k[kChunk];
+    const T* cache_v[kChunk];
+    const O* own_k[kChunk];
+    const O* own_v[kChunk];
     float k_scale[kInt8 ? kChunk : 1];
     float v_scale[kInt8 ? kChunk : 1];
+    int64_t from_cache = 0;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = live[i];
-      const int64_t at = j < cached ? (head * slots + j) * width
-                                    : (head * fresh + (j - cached)) * width;
-      k_rows[i] = (j < cached ? k_cache : k_new) + at;
-      v_rows[i] = (j < cached ? v_cache : v_new) + at;
-      if constexpr (kInt8) {
-        k_scale[i] = row_scale(k_rows[i], dim);
-        v_scale[i] = row_scale(v_rows[i], dim);
+      if (j < cached) {
+        cache_k[from_cache] = k_cache + (head * slots + j) * row_width<T>(dim);
+        cache_v[from_cache] = v_cache + (head * slots + j) * row_width<T>(dim);
+        if constexpr (kInt8) {
+          k_scale[from_cache] = row_scale(cache_k[from_cache], dim);
+          v_scale[from_cache] = row_scale(cache_v[from_cache], dim);
+        }
+        ++from_cache;
+      } else {
+        own_k[i - from_cache] = k_new + (head * fresh + (j - cached)) * dim;
+        own_v[i - from_cache] = v_new + (head * fresh + (j - cached)) * dim;
       }
     }
+    const int64_t own = n - from_cache;
     thread_local std::vector<float> scores;  // per worker thread, reused across calls
     scores.resize(static_cast<size_t>(q_rows * kChunk));
+    const float* hq = q + head * q_rows * dim;
     by_row_blocks(q_rows, [&](auto block, int64_t r0) {
       constexpr int R = decltype(block)::value;
       float* sr = scores.data() + r0 * kChunk;
-      if constexpr (kInt8) {
-        block_scores<R>(q8 + (head * q_rows + r0) * width, dim, k_rows, n, sr, kChunk);
-      } else {
-        block_scores<R>(q + (head * q_rows + r0) * dim, dim, k_rows, n, sr, kChunk);
-      }
+      block_scores<R>(hq + r0 * dim, dim, cache_k, from_cache, sr, kChunk);
+      block_scores<R>(hq + r0 * dim, dim, own_k, own, sr + from_cache, kChunk);
     });
     // each row padded to whole registers with -inf, which weighs 0
     constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -504,7 +403,7 @@ struct Call {
       float* s = scores.data() + r * kChunk;
       const float* m_row = mask + (r % rows) * keys;
       for (int64_t i = 0; i < n; ++i) {  // q . (codes * scale) as (q . codes) * scale
-        const float score = kInt8 ? s[i] * k_scale[i] : s[i];
+        const float score = kInt8 && i < from_cache ? s[i] * k_scale[i] : s[i];
         s[i] = score + m_row[live[i]];
       }
       std::fill(s + n, s + padded, -kInf);
@@ -528,19 +427,22 @@ struct Call {
       state.max[r] = m;
       state.sum[r] = lane_sum(total);
       if constexpr (kInt8) {  // weight * (codes * scale) as (weight * scale) * codes
-        for (int64_t i = 0; i < n; ++i) s[i] *= v_scale[i];
+        for (int64_t i = 0; i < from_cache; ++i) s[i] *= v_scale[i];
       }
     }
     by_row_blocks(q_rows, [&](auto block, int64_t r0) {
       constexpr int R = decltype(block)::value;
-      block_values<R>(scores.data() + r0 * kChunk, kChunk, v_rows, n, dim, state.acc + r0 * dim);
+      const float* wr = scores.data() + r0 * kChunk;
+      float* ar = state.acc + r0 * dim;
+      block_values<R>(wr, kChunk, cache_v, from_cache, dim, ar, false);
+      block_values<R>(wr + from_cache, kChunk, own_v, own, dim, ar, true);
     });
   }
 };
 
 // `by_rows`: out as [rows, heads * dim] (cache_attention_rows) instead of [kv_heads, q_rows, dim].
-template <typename T>
-void attend(const Call<T>& call, int64_t kv_heads, float* out, bool by_rows) {
+template <typename T, typename O>
+void attend(const Call<T, O>& call, int64_t kv_heads, float* out, bool by_rows) {
   const int64_t q_rows = call.q_rows, dim = call.dim, chunks = call.chunks;
   const int64_t tasks = kv_heads * chunks;
   const int64_t stride = q_rows * (dim + 2);  // one Partial's floats
@@ -579,11 +481,20 @@ void attend(const Call<T>& call, int64_t kv_heads, float* out, bool by_rows) {
   }
 }
 
-// Rows as a cache of T stores them: float16, or an int8 row's codes then its scale.
+// The call's own rows as the cache of T will give them back: float16 as stored, an int8
+// row's codes times its scale (in float32).
 template <typename T>
-void round_as_stored(const float* x, int64_t rows, int64_t dim, T* out) {
+using Own = std::conditional_t<std::is_same_v<T, int8_t>, float, T>;
+
+template <typename T>
+void round_as_stored(const float* x, int64_t rows, int64_t dim, Own<T>* out) {
   if constexpr (std::is_same_v<T, int8_t>) {
-    for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * dim, dim, out + r * (dim + kScaleBytes));
+    std::vector<int8_t> row(static_cast<size_t>(dim + kScaleBytes));
+    for (int64_t r = 0; r < rows; ++r) {
+      quantize_row(x + r * dim, dim, row.data());
+      const float scale = row_scale(row.data(), dim);
+      for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = static_cast<float>(row[d]) * scale;
+    }
   } else {
     for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<T>(x[i]);
   }
@@ -596,26 +507,22 @@ void cache_attention(const float* q, const T* k_cache, const T* v_cache, const f
                      const float* v_new, const float* mask, int64_t kv_heads, int64_t q_rows,
                      int64_t dim, int64_t rows, int64_t keys, int64_t fresh, int64_t slots,
                      float* out, bool by_rows) {
-  const T* own_k = nullptr;
-  const T* own_v = nullptr;
-  thread_local std::vector<T> rounded;
+  using O = Own<T>;
+  const O* own_k = nullptr;
+  const O* own_v = nullptr;
+  thread_local std::vector<O> rounded;
   if constexpr (std::is_same_v<T, float>) {
     own_k = k_new, own_v = v_new;
   } else if (fresh) {
-    const int64_t n = kv_heads * fresh * row_width<T>(dim);
-    rounded.resize(static_cast<size_t>(2 * n));
-    round_as_stored<T>(k_new, kv_heads * fresh, dim, rounded.data());
-    round_as_stored<T>(v_new, kv_heads * fresh, dim, rounded.data() + n);
-    own_k = rounded.data(), own_v = rounded.data() + n;
-  }
-  thread_local std::vector<int8_t> q8;
-  if constexpr (std::is_same_v<T, int8_t>) {
-    q8.resize(static_cast<size_t>(kv_heads * q_rows * row_width<T>(dim)));
-    round_as_stored<int8_t>(q, kv_heads * q_rows, dim, q8.data());
+    const int64_t n = kv_heads * fresh;
+    rounded.resize(static_cast<size_t>(2 * n * dim));
+    round_as_stored<T>(k_new, n, dim, rounded.data());
+    round_as_stored<T>(v_new, n, dim, rounded.data() + n * dim);
+    own_k = rounded.data(), own_v = rounded.data() + n * dim;
   }
   const int64_t chunks = (keys + kChunk - 1) / kChunk;
-  const Call<T> call{q,    q8.data(), k_cache,      v_cache, own_k, own_v, mask, q_rows, dim,
-                     rows, keys,      keys - fresh, fresh,   slots, chunks};
+  const Call<T, O> call{q,    k_cache, v_cache, own_k, own_v, mask, q_rows, dim,
+                        rows, keys,    keys - fresh, fresh, slots, chunks};
   attend(call, kv_heads, out, by_rows);
 }
 

@@ -89,8 +89,6 @@ def cache_attention(
         k_cache, v_cache = read_rows(k_cache, q.dtype), read_rows(v_cache, q.dtype)
         if k_new is not None and v_new is not None:
             k_new, v_new = as_stored(k_new, stored), as_stored(v_new, stored)
-        if stored == torch.int8:  # q . k over int8 codes: the query rounded as a K row is
-            q = as_stored(q, stored)
     ks = (k_cache,) + (() if k_new is None else (k_new,))
     vs = (v_cache,) + (() if v_new is None else (v_new,))
     return segment_attention(q, ks, vs, mask, q.shape[1] // mask.shape[0])
