@@ -227,11 +227,18 @@ inline void lane_sums(const Vec* a0, const Vec* a1, float* sums) {
   }
 }
 
-// scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time. The columns past
-// the last whole register (head_dim % kLanes, none for real heads) are added one by one.
+// Keys ahead of the pair being scored whose rows are requested from memory (with the values
+// of the pair, read once every score is known): between two layers a decode step's weights
+// push the cache out of the CPU's caches, and a row was otherwise requested only when read.
+constexpr int64_t kAheadKeys = 6;
+
+// scores[r * stride + i] = q[r] . keys[i] for R query rows, two keys at a time; with `values`,
+// the rows of keys kAheadKeys on and the pair's values are prefetched. The columns past the
+// last whole register (head_dim % kLanes, none for real heads) are added one by one.
 template <int R, typename T>
 void block_scores(const float* q, int64_t dim, const T* const* keys, int64_t n, float* scores,
-                  int64_t stride) {
+                  int64_t stride, const T* const* values = nullptr) {
+  const int64_t row_bytes = row_width<T>(dim) * static_cast<int64_t>(sizeof(T));
   const int64_t body = dim - dim % kLanes;
   auto tail = [&](int r, const T* k) {
     float sum = 0;
@@ -242,6 +249,14 @@ void block_scores(const float* q, int64_t dim, const T* const* keys, int64_t n, 
   for (; i + 2 <= n; i += 2) {
     const T* k0 = keys[i];
     const T* k1 = keys[i + 1];
+    for (int64_t j = i; values && j < i + 2; ++j) {
+      const char* ahead = j + kAheadKeys < n ? reinterpret_cast<const char*>(keys[j + kAheadKeys])
+                                             : nullptr;
+      for (int64_t b = 0; b < row_bytes; b += 64) {  // a cache line at a time
+        if (ahead) __builtin_prefetch(ahead + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(values[j]) + b);
+      }
+    }
     Vec a0[R], a1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = Vec{};
     for (int64_t d = 0; d < body; d += kLanes) {
@@ -393,7 +408,10 @@ struct Call {
     by_row_blocks(q_rows, [&](auto block, int64_t r0) {
       constexpr int R = decltype(block)::value;
       float* sr = scores.data() + r0 * kChunk;
-      block_scores<R>(hq + r0 * dim, dim, cache_k, from_cache, sr, kChunk);
+      // rows prefetched by the first block of rows; an int8 cache's are requested as their
+      // scales are read above (prefetched as well, 128-wide rows measured slower)
+      block_scores<R>(hq + r0 * dim, dim, cache_k, from_cache, sr, kChunk,
+                      r0 == 0 && !kInt8 ? cache_v : nullptr);
       block_scores<R>(hq + r0 * dim, dim, own_k, own, sr + from_cache, kChunk);
     });
     // each row padded to whole registers with -inf, which weighs 0
