@@ -108,7 +108,8 @@ def mtp_checks(factors: dict[str, float]) -> dict[str, Any]:
     """The MTP study's speedup (E4B W4A16, depth 2) from 2.595 tokens per forward and the
     fitted verify_2 / verify_0 and draft costs, on every fitted unit; and what LiteRT-LM's
     reported GPU slowdown would need."""
-    study, report = load_mtp()
+    by_id = {m["id"]: m for m in load_mtp()}
+    study, report = by_id["mtp-study-e4b-w4a16-depth2"], by_id["litert-gpu-mtp-user-report"]
     depth, tokens = study["depth"], study["tokens_per_forward"]
     rows = []
     for key, device, delegate in fitted_units(factors):
@@ -123,6 +124,24 @@ def mtp_checks(factors: dict[str, float]) -> dict[str, Any]:
             "within": low <= speedup <= high,
         })  # fmt: skip
     slowdown = report["mtp_tok_s"] / report["ar_tok_s"]
+    stated = by_id["litert-stated-mtp-gains"]
+    gains = []
+    for key in stated["devices"]:
+        device = load_profile(key)
+        for delegate in device.delegates:
+            cls = UNIT_CLASS.get(delegate)
+            fitted = rates(device, delegate, REFERENCE_ENGINE, factors, "")
+            if cls not in ("cpu", "gpu") or fitted is None:
+                continue
+            ceiling = stated[f"{cls}_up_to"]
+            for preset in ("e2b", "e4b"):
+                parts = step_seconds(preset, stated["quant"], device, delegate, factors, depth)
+                round_ms = parts[f"verify_{depth}_ms"] + depth * parts["draft_ms"]
+                speedup = tokens * parts["verify_0_ms"] / round_ms
+                gains.append({
+                    "device": key, "delegate": delegate, "model": preset, **parts,
+                    "speedup": speedup, "stated_up_to": ceiling, "within": speedup <= ceiling,
+                })  # fmt: skip
     return {
         "study": study,
         "implied_round_ratio": tokens / study["speedup_reported"],
@@ -132,6 +151,8 @@ def mtp_checks(factors: dict[str, float]) -> dict[str, Any]:
         # at depth 2 and the study's 2.595 tokens a round, the round / verify_0 ratio the report
         # needs; at the weakest plausible acceptance (1 token a round) 1 / slowdown
         "needed_round_ratio": {"at_2.595_tokens": tokens / slowdown, "at_1_token": 1 / slowdown},
+        "litert_stated": stated,
+        "litert_stated_rows": gains,
     }
 
 
@@ -169,8 +190,9 @@ def report(result: dict[str, Any]) -> str:
         "# `edgemtp simulate` against published Gemma 4 E2B/E4B speeds",
         "",
         f"`{result['command']}` ({result['date']}; pure arithmetic, no model is run). Figures: "
-        "`devices/published.json` (each quoted from BRIEF.md, with its conditions and what was "
-        "assumed); the fit: `devices/fit.py`; the factors `edgemtp simulate --preset` uses: "
+        "`devices/published.json` (each quoted from BRIEF.md or the public page it names, with "
+        "its conditions and what was assumed); the fit: `devices/fit.py`; the factors "
+        "`edgemtp simulate --preset` uses: "
         f"`devices/{FITTED.name}`.",
         "",
         f"**The fit**: {full['figures']} figures, {full['parameters']} free factors (below), "
@@ -197,7 +219,7 @@ def report(result: dict[str, Any]) -> str:
     for f in result["not_predicted"]:
         lines.append(
             f"| {f['id']} | {f['engine']} | {f['device']} | {f['delegate']} | {f['quantity']} | "
-            f"{fmt(f['tok_s'])} | - | - | - | - | not predicted: no '{f['device']}' profile |"
+            f"{fmt(f['tok_s'])} | - | - | - | - | not predicted: {f['reason']} |"
         )
     lines += ["", "Factors (x the profile's number; engine factors x time, relative to "
               f"{REFERENCE_ENGINE}):", ""]  # fmt: skip
@@ -222,7 +244,7 @@ def report(result: dict[str, Any]) -> str:
             f"{u['dispatch_unit']} |"
         )
     m = result["mtp"]
-    study = m["study"]
+    study, stated = m["study"], m["litert_stated"]
     lines += [
         "",
         f"## MTP: {study['model']} {study['quant']}, depth {study['depth']}, "
@@ -257,6 +279,23 @@ def report(result: dict[str, Any]) -> str:
         "units the round costs the ratio above, so the model reproduces it only on a unit whose "
         "verify of a few rows is compute- or launch-bound (as `tests/test_simulator.py` checks "
         "with a steep one).",
+        "",
+        f"LiteRT-LM's stated gains ({stated['source']}): mobile GPUs up to "
+        f"{stated['gpu_up_to']}x, mobile CPUs up to {stated['cpu_up_to']}x. "
+        f"Predicted at depth {study['depth']} with the study's {study['tokens_per_forward']} "
+        "tokens per forward (no acceptance is stated), Q4_0:",
+        "",
+        "| device | delegate | model | verify_0 ms | verify_2 ms | draft ms | predicted speedup "
+        "| stated: up to | at or under it |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in m["litert_stated_rows"]:
+        lines.append(
+            f"| {r['device']} | {r['delegate']} | {r['model']} | {r['verify_0_ms']:.1f} | "
+            f"{r['verify_2_ms']:.1f} | {r['draft_ms']:.2f} | {r['speedup']:.2f} | "
+            f"{r['stated_up_to']} | {'yes' if r['within'] else 'no'} |"
+        )
+    lines += [
         "",
         "## E4B's decode step over E2B's (Q4_0, fitted rates)",
         "",
@@ -324,7 +363,7 @@ def main() -> None:
             "factors": full.factors,
         },  # fmt: skip
         "rows": figure_rows(figures, full),
-        "not_predicted": [f.__dict__ for f in missing],
+        "not_predicted": [{**f.__dict__, "reason": why} for f, why in missing],
         "achieved": achieved_rates(full.factors),
         "mtp": mtp_checks(full.factors),
         "step_bytes": step_bytes(),

@@ -107,10 +107,43 @@ def load_mtp(path: Path = PUBLISHED) -> list[dict]:
     return json.loads(Path(path).read_text())["mtp"]
 
 
-def usable(figures: Sequence[Figure]) -> tuple[list[Figure], list[Figure]]:
-    """The figures whose device has a shipped profile, and those that have none."""
+def usable(figures: Sequence[Figure]) -> tuple[list[Figure], list[tuple[Figure, str]]]:
+    """The figures the fit can use, and the others with the reason: no shipped profile for the
+    device, or a speed the profiled machine cannot reach (`beyond_the_machine`)."""
     known = set(list_profiles())
-    return [f for f in figures if f.device in known], [f for f in figures if f.device not in known]
+    fitted, left_out = [], []
+    for f in figures:
+        reason = f"no {f.device!r} profile" if f.device not in known else beyond_the_machine(f)
+        if reason:
+            left_out.append((f, reason))
+        else:
+            fitted.append(f)
+    return fitted, left_out
+
+
+def beyond_the_machine(figure: Figure) -> str | None:
+    """Why the figure cannot be the run the model prices on its profiled machine, or None: a
+    decode that would stream a step's bytes faster than the bus's theoretical peak, or a
+    prefill that would compute faster than the unit's peak at any dtype. Such a figure was
+    measured on other hardware or another run (a larger chip, a pruned model, drafting on)
+    than its conditions say; fitting it would push every factor past what the hardware has."""
+    unit = profile(figure.device).delegates[figure.delegate]
+    dtype = compute_dtype(unit, figure.delegate, figure.quant)
+    plan = plan_of(figure)
+    if figure.quantity == "decode":
+        gbs = price(plan.verify[0], unit, dtype, plan.vocab).bytes * figure.tok_s / 1e9
+        if gbs > unit.peak_memory_bandwidth_gbs:
+            return (
+                f"needs {gbs:.0f} GB/s to stream a step's weights and cache at "
+                f"{figure.tok_s:g} tok/s; the bus peaks at {unit.peak_memory_bandwidth_gbs:g}"
+            )
+        return None
+    flops = sum(price(c, unit, dtype, plan.vocab).flops for c in plan.prefill)
+    tops = flops / figure.prompt * figure.tok_s / 1e12
+    peak = max(unit.peak_tops.values())
+    if tops > peak:
+        return f"needs {tops:.1f} TOPS at {figure.tok_s:g} tok/s; the unit peaks at {peak:g}"
+    return None
 
 
 @cache
