@@ -104,18 +104,24 @@ def fitted_units(factors):
                 yield key, device, delegate
 
 
+def round_speedup(parts: dict[str, float], depth: int, tokens: float) -> tuple[float, float]:
+    """A round's ms (verify_depth and `depth` drafts) and its speedup over AR at `tokens`
+    committed per round."""
+    round_ms = parts[f"verify_{depth}_ms"] + depth * parts["draft_ms"]
+    return round_ms, tokens * parts["verify_0_ms"] / round_ms
+
+
 def mtp_checks(factors: dict[str, float]) -> dict[str, Any]:
     """The MTP study's speedup (E4B W4A16, depth 2) from 2.595 tokens per forward and the
-    fitted verify_2 / verify_0 and draft costs, on every fitted unit; and what LiteRT-LM's
-    reported GPU slowdown would need."""
+    fitted verify_2 / verify_0 and draft costs, on every fitted unit; LiteRT-LM's stated gains
+    against the same on the phones it names; and what its reported GPU slowdown would need."""
     by_id = {m["id"]: m for m in load_mtp()}
     study, report = by_id["mtp-study-e4b-w4a16-depth2"], by_id["litert-gpu-mtp-user-report"]
     depth, tokens = study["depth"], study["tokens_per_forward"]
     rows = []
     for key, device, delegate in fitted_units(factors):
         parts = step_seconds(study["model"], study["quant"], device, delegate, factors, depth)
-        round_ms = parts[f"verify_{depth}_ms"] + depth * parts["draft_ms"]
-        speedup = tokens * parts["verify_0_ms"] / round_ms
+        round_ms, speedup = round_speedup(parts, depth, tokens)
         low, high = study["speedup"]
         rows.append({
             "device": key, "delegate": delegate, **parts,
@@ -130,14 +136,14 @@ def mtp_checks(factors: dict[str, float]) -> dict[str, Any]:
         device = load_profile(key)
         for delegate in device.delegates:
             cls = UNIT_CLASS.get(delegate)
-            fitted = rates(device, delegate, REFERENCE_ENGINE, factors, "")
-            if cls not in ("cpu", "gpu") or fitted is None:
+            if cls not in ("cpu", "gpu"):
+                continue
+            if rates(device, delegate, REFERENCE_ENGINE, factors, "") is None:
                 continue
             ceiling = stated[f"{cls}_up_to"]
             for preset in ("e2b", "e4b"):
                 parts = step_seconds(preset, stated["quant"], device, delegate, factors, depth)
-                round_ms = parts[f"verify_{depth}_ms"] + depth * parts["draft_ms"]
-                speedup = tokens * parts["verify_0_ms"] / round_ms
+                _, speedup = round_speedup(parts, depth, tokens)
                 gains.append({
                     "device": key, "delegate": delegate, "model": preset, **parts,
                     "speedup": speedup, "stated_up_to": ceiling, "within": speedup <= ceiling,
