@@ -128,17 +128,16 @@ def beyond_the_machine(figure: Figure) -> str | None:
     measured on other hardware or another run (a larger chip, a pruned model, drafting on)
     than its conditions say; fitting it would push every factor past what the hardware has."""
     unit = profile(figure.device).delegates[figure.delegate]
-    dtype = compute_dtype(unit, figure.delegate, figure.quant)
     plan = plan_of(figure)
     if figure.quantity == "decode":
-        gbs = price(plan.verify[0], unit, dtype, plan.vocab).bytes * figure.tok_s / 1e9
+        gbs = plan.verify[0].work.bytes * figure.tok_s / 1e9
         if gbs > unit.peak_memory_bandwidth_gbs:
             return (
                 f"needs {gbs:.0f} GB/s to stream a step's weights and cache at "
                 f"{figure.tok_s:g} tok/s; the bus peaks at {unit.peak_memory_bandwidth_gbs:g}"
             )
         return None
-    flops = sum(price(c, unit, dtype, plan.vocab).flops for c in plan.prefill)
+    flops = sum(c.work.flops for c in plan.prefill)
     tops = flops / figure.prompt * figure.tok_s / 1e12
     peak = max(unit.peak_tops.values())
     if tops > peak:

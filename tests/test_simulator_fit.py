@@ -26,13 +26,7 @@ from edgemtp.devices.fit import (
     usable,
 )
 from edgemtp.devices.profiles import load_profile
-from edgemtp.devices.simulator import (
-    Acceptance,
-    compute_dtype,
-    model_from_preset,
-    price,
-    simulate,
-)
+from edgemtp.devices.simulator import Acceptance, model_from_preset, simulate
 
 RESULTS = Path(__file__).parents[1] / "benchmarks" / "results" / "simulator_published.json"
 
@@ -104,10 +98,8 @@ def test_a_figure_the_profiled_machine_cannot_reach_is_left_out_with_the_reason(
     never fitted. The same figures at reachable speeds are kept."""
     s26 = next(f for f in load_figures() if f.id == "litert-s26u-gpu-decode")
     unit = load_profile(s26.device).delegates[s26.delegate]
-    step = plan_of(s26).verify[0]
     # at exactly the bus peak a step's bytes take 1 / tok_s seconds
-    dtype = compute_dtype(unit, s26.delegate, s26.quant)
-    peak_tok_s = unit.peak_memory_bandwidth_gbs * 1e9 / price(step, unit, dtype, 1).bytes
+    peak_tok_s = unit.peak_memory_bandwidth_gbs * 1e9 / plan_of(s26).verify[0].work.bytes
     assert beyond_the_machine(replace(s26, tok_s=0.95 * peak_tok_s)) is None
     too_fast = replace(s26, tok_s=1.05 * peak_tok_s)
     assert "the bus peaks at" in beyond_the_machine(too_fast)
