@@ -32,7 +32,9 @@ from edgemtp.devices.fit import (
     leave_one_out,
     load_figures,
     load_mtp,
+    plan_of,
     predict,
+    profile,
     rates,
     usable,
     write_fitted,
@@ -81,6 +83,26 @@ def achieved_rates(factors: dict[str, float]) -> list[dict[str, Any]]:
                 "dispatch_unit": unit.dispatch_unit,
             })  # fmt: skip
     return out
+
+
+def cpu_prefill_share(figures) -> list[dict[str, Any]]:
+    """What each CPU prefill figure's run achieved of its profile's int8 peak over the cores it
+    ran on: the prompt's FLOPs (pruned or not, as the figure ran) x tok/s, no fit. One GEMM
+    factor per class carries these only as far as they agree."""
+    out = []
+    for f in figures:
+        if f.quantity != "prefill" or f.unit_class != "cpu":
+            continue
+        unit = profile(f.device).delegates[f.delegate]
+        threads = f.threads or unit.threads
+        peak = unit.peak_tops["int8"] * threads / unit.threads
+        flops = sum(c.work.flops for c in plan_of(f).prefill) / f.prompt
+        tops = flops * f.tok_s / 1e12
+        out.append({
+            "id": f.id, "engine": f.engine, "threads": threads, "peak_tops": peak,
+            "gflop_per_token": flops / 1e9, "tops": tops, "share": tops / peak,
+        })  # fmt: skip
+    return sorted(out, key=lambda r: (r["engine"], -r["share"]))
 
 
 def step_seconds(preset: str, quant: str, device, delegate: str, factors, depth: int) -> dict:
@@ -140,8 +162,8 @@ def mtp_checks(factors: dict[str, float]) -> dict[str, Any]:
                 continue
             if rates(device, delegate, REFERENCE_ENGINE, factors, "") is None:
                 continue
-            ceiling = stated[f"{cls}_up_to"]
             for preset in ("e2b", "e4b"):
+                ceiling = min(stated[f"{cls}_up_to"], stated["model_up_to"][preset])
                 parts = step_seconds(preset, stated["quant"], device, delegate, factors, depth)
                 _, speedup = round_speedup(parts, depth, tokens)
                 gains.append({
@@ -249,6 +271,20 @@ def report(result: dict[str, Any]) -> str:
             f"{u['gemm_tops']:.3g} {u['dtype']} | {gemv} | {u['dispatch_us']:.3g} per "
             f"{u['dispatch_unit']} |"
         )
+    lines += [
+        "",
+        "What each CPU prefill achieved of its profile's int8 peak over the cores it ran on "
+        "(GFLOP a prompt token takes x tok/s; data, not fit): one GEMM factor for every CPU "
+        "carries these only as far as they agree.",
+        "",
+        "| figure | engine | threads | int8 peak TOPS | GFLOP / token | achieved TOPS | share |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["cpu_prefill_share"]:
+        lines.append(
+            f"| {r['id']} | {r['engine']} | {r['threads']} | {r['peak_tops']:.2f} | "
+            f"{r['gflop_per_token']:.2f} | {r['tops']:.2f} | {r['share']:.2f} |"
+        )
     m = result["mtp"]
     study, stated = m["study"], m["litert_stated"]
     lines += [
@@ -287,7 +323,9 @@ def report(result: dict[str, Any]) -> str:
         "with a steep one).",
         "",
         f"LiteRT-LM's stated gains ({stated['source']}): mobile GPUs up to "
-        f"{stated['gpu_up_to']}x, mobile CPUs up to {stated['cpu_up_to']}x. "
+        f"{stated['gpu_up_to']}x, mobile CPUs up to {stated['cpu_up_to']}x; E2B "
+        f"{stated['model_up_to']['e2b']}x, E4B {stated['model_up_to']['e4b']}x (the row's "
+        "ceiling: the lower of its unit's and its model's). "
         f"Predicted at depth {study['depth']} with the study's {study['tokens_per_forward']} "
         "tokens per forward (no acceptance is stated), Q4_0:",
         "",
@@ -371,6 +409,7 @@ def main() -> None:
         "rows": figure_rows(figures, full),
         "not_predicted": [{**f.__dict__, "reason": why} for f, why in missing],
         "achieved": achieved_rates(full.factors),
+        "cpu_prefill_share": cpu_prefill_share(figures),
         "mtp": mtp_checks(full.factors),
         "step_bytes": step_bytes(),
         "e4b_over_e2b": e4b_over_e2b(full.factors),

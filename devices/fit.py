@@ -109,11 +109,16 @@ def load_mtp(path: Path = PUBLISHED) -> list[dict]:
 
 def usable(figures: Sequence[Figure]) -> tuple[list[Figure], list[tuple[Figure, str]]]:
     """The figures the fit can use, and the others with the reason: no shipped profile for the
-    device, or a speed the profiled machine cannot reach (`beyond_the_machine`)."""
+    device or its unit, or a speed the profiled machine cannot reach (`beyond_the_machine`)."""
     known = set(list_profiles())
     fitted, left_out = [], []
     for f in figures:
-        reason = f"no {f.device!r} profile" if f.device not in known else beyond_the_machine(f)
+        if f.device not in known:
+            reason = f"no {f.device!r} profile"
+        elif f.delegate not in profile(f.device).delegates:
+            reason = f"the {f.device!r} profile has no {f.delegate} delegate"
+        else:
+            reason = beyond_the_machine(f)
         if reason:
             left_out.append((f, reason))
         else:

@@ -21,8 +21,10 @@ from edgemtp.devices.profiles import (
 )
 from edgemtp.errors import EdgeMTPError
 
-PHONES = {"galaxy-s26-ultra", "galaxy-s26-plus", "pixel-10-pro", "iphone-17-pro"}
-LAPTOPS = {"macbook-pro-m4", "macbook-pro-m4-pro"}
+PHONES = {
+    "galaxy-s26-ultra", "galaxy-s26-plus", "pixel-10-pro", "iphone-17-pro", "dimensity-9000-plus"
+}  # fmt: skip
+LAPTOPS = {"macbook-pro-m4", "macbook-pro-m4-pro", "laptop-i7-10750h"}
 BOARDS = {"raspberry-pi-5"}
 EXPECTED_DELEGATES = {
     "galaxy-s26-ultra": {"cpu", "gpu", "htp"},
@@ -32,6 +34,9 @@ EXPECTED_DELEGATES = {
     "macbook-pro-m4": {"cpu", "metal", "npu"},
     "macbook-pro-m4-pro": {"cpu", "metal", "npu"},
     "raspberry-pi-5": {"cpu"},
+    # a published benchmark's machines, profiled for their CPU figures
+    "dimensity-9000-plus": {"cpu"},
+    "laptop-i7-10750h": {"cpu"},
 }
 ACCELERATORS = ("npu", "htp")
 
@@ -135,7 +140,7 @@ def test_numbers_are_positive_and_physically_plausible():
         else:
             assert 50 <= p.battery_wh <= 100, key  # laptop packs
             assert 2 <= p.idle_w <= 15, key
-            bandwidth = (50, 600)
+            bandwidth = (30, 600)  # dual-channel DDR4 up to an M4 Max
         for name, d in p.delegates.items():
             where = f"{key}:{name}"
             assert bandwidth[0] <= d.memory_bandwidth_gbs <= bandwidth[1], where
