@@ -1,7 +1,7 @@
 """The simulator against this host: `edgemtp bench` measurements beside its predictions.
 
     python benchmarks/simulator_host.py [--work /work/val] [--threads 1] [--repeat 5]
-        [--peer PEER-90M-Q4_0.gguf] [--only BUNDLE ...] [--predict-again]
+        [--peer PEER-90M-Q4_0.gguf | --full-e2b] [--only BUNDLE ...] [--predict-again]
 
 Builds (once, under --work) two model sizes for two backends, and with --peer a third:
 
@@ -11,6 +11,10 @@ Builds (once, under --work) two model sizes for two backends, and with --peer a 
   262144-token vocabulary), Q4_0, max context 1024, depth 3, chunk 128;
 - peer-et: PEER-90M (benchmarks/peers), target alone, from its Q4_0 GGUF as the peer table
   exports it (ExecuTorch, max context 4096, chunk 128);
+
+or, with --full-e2b, only the full-size E2B shape (`synth --preset e2b` and its assistant,
+random weights; ExecuTorch, Q4_0, max context 1024, depth 3, chunk 128: a 15-minute export)
+into OUT/simulator_host_e2b_full.{json,md,png};
 
 and for each bundle calibrates this host (`edgemtp devices calibrate --threads N`, into --work),
 at once runs `edgemtp bench` on it with that profile: prefill (pp) and decode (tg) at depths
@@ -41,7 +45,17 @@ MODELS = REPO / "checkpoints"
 WITHIN = 0.25
 
 
-def bundles(work: Path, peer: Path | None = None) -> dict[str, dict[str, Any]]:
+def bundles(work: Path, peer: Path | None = None, full: bool = False) -> dict[str, dict[str, Any]]:
+    if full:  # the full-size E2B shape alone: its export and bench are a check of their own
+        return {
+            "e2b-full-et": {
+                "export": ["--model", str(work / "e2b"), "--drafter", str(work / "e2b-a"),
+                           "--max-context", "1024", "--prefill-chunk", "128", "--backend",
+                           "executorch", "--quant", "q4_0", "--draft-depth", "3"],
+                "bench": ["--pp", "128", "--tg", "32", "--mtp", "0,2", "--acceptance-oracle",
+                          "0.7"],
+            }
+        }  # fmt: skip
     demo = [
         "--model",
         str(MODELS / "embedded-target"),
@@ -87,14 +101,14 @@ def run(command: list[str], log: Path) -> None:
         subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
 
 
-def build(work: Path, log: Path, peer: Path | None) -> None:
+def build(work: Path, log: Path, peer: Path | None, full: bool = False) -> None:
     work.mkdir(parents=True, exist_ok=True)
-    if not (work / "e2b-s0.25" / "config.json").is_file():
-        run([*EDGEMTP, "synth", "--preset", "e2b", "--scale", "0.25", "--out",
-             str(work / "e2b-s0.25")], log)  # fmt: skip
-        run([*EDGEMTP, "synth", "--preset", "e2b-assistant", "--scale", "0.25", "--out",
-             str(work / "e2b-s0.25-a")], log)  # fmt: skip
-    for name, spec in bundles(work, peer).items():
+    scale, name = ("1", "e2b") if full else ("0.25", "e2b-s0.25")
+    if not (work / name / "config.json").is_file():
+        for preset, out in (("e2b", name), ("e2b-assistant", f"{name}-a")):
+            run([*EDGEMTP, "synth", "--preset", preset, "--scale", scale, "--out",
+                 str(work / out)], log)  # fmt: skip
+    for name, spec in bundles(work, peer, full).items():
         if not (work / name / "manifest.json").is_file():
             run([*EDGEMTP, "export", *spec["export"], "--out", str(work / name)], log)
 
@@ -106,13 +120,19 @@ def profile_of(work: Path, name: str, threads: int, when: str = "") -> Path:
 
 
 def measure(
-    work: Path, threads: int, repeat: int, log: Path, peer: Path | None, only: list[str]
+    work: Path,
+    threads: int,
+    repeat: int,
+    log: Path,
+    peer: Path | None,
+    only: list[str],
+    full: bool = False,
 ) -> list[dict[str, Any]]:
     """Per bundle (those named in `only`, or all): calibrate, bench at once with that
     profile, calibrate again. This shared host's speed drifts by up to 2x within minutes; a
     profile measured minutes before a bench can miss it by that much, whatever the model. The
     two calibrations bracket the bench."""
-    for name, spec in bundles(work, peer).items():
+    for name, spec in bundles(work, peer, full).items():
         if only and name not in only:
             continue
         shutil.rmtree(work / f"bench-{name}", ignore_errors=True)  # one result per bundle
@@ -123,10 +143,12 @@ def measure(
              str(threads), "--repeat", str(repeat), "--device",
              str(profile_of(work, name, threads)), "--out", str(out)], log)  # fmt: skip
         run([*calibrate, str(profile_of(work, name, threads, "after"))], log)
-    return repredict(work, threads, peer)
+    return repredict(work, threads, peer, full)
 
 
-def repredict(work: Path, threads: int, peer: Path | None) -> list[dict[str, Any]]:
+def repredict(
+    work: Path, threads: int, peer: Path | None, full: bool = False
+) -> list[dict[str, Any]]:
     """The benches under --work predicted with the simulator as it is now, from the profile
     calibrated before each bench and, where there is one, the one calibrated after it: a row's
     prediction is the geometric mean of the two (the host's state during the bench lies between
@@ -135,7 +157,7 @@ def repredict(work: Path, threads: int, peer: Path | None) -> list[dict[str, Any
     from edgemtp.runtime.bench import BenchPlan
 
     docs = []
-    for name in bundles(work, peer):
+    for name in bundles(work, peer, full):
         (result,) = (work / f"bench-{name}" / "results").glob("*.json")
         doc = json.loads(result.read_text())
         p = doc["plan"]
@@ -247,6 +269,11 @@ def main() -> None:
         help="PEER-90M's Q4_0 GGUF (benchmarks/peers/run.py builds it): also its bundle",
     )
     parser.add_argument(
+        "--full-e2b",
+        action="store_true",
+        help="the full-size E2B shape alone (random weights): OUT/simulator_host_e2b_full.*",
+    )
+    parser.add_argument(
         "--only",
         nargs="+",
         default=[],
@@ -259,11 +286,12 @@ def main() -> None:
     args = parser.parse_args()
     log = args.work / "simulator_host.log"
     args.work.mkdir(parents=True, exist_ok=True)
+    full = args.full_e2b
     if args.predict_again:
-        docs = repredict(args.work, args.threads, args.peer)
+        docs = repredict(args.work, args.threads, args.peer, full)
     else:
-        build(args.work, log, args.peer)
-        docs = measure(args.work, args.threads, args.repeat, log, args.peer, args.only)
+        build(args.work, log, args.peer, full)
+        docs = measure(args.work, args.threads, args.repeat, log, args.peer, args.only, full)
     machine = docs[0]["machine"]
     result = {
         "command": command_line("simulator_host.py"),
@@ -277,7 +305,8 @@ def main() -> None:
         "predictions": {d["name"]: d["predictions"] for d in docs},
     }
     text = report(result)
-    write_results(args.out / "simulator_host", result, text, partial(plot, result))
+    name = "simulator_host_e2b_full" if full else "simulator_host"
+    write_results(args.out / name, result, text, partial(plot, result))
     print(text)
 
 
