@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -101,14 +102,18 @@ def run(command: list[str], log: Path) -> None:
         subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
 
 
-def build(work: Path, log: Path, peer: Path | None, full: bool = False) -> None:
+def build(
+    work: Path, log: Path, peer: Path | None, full: bool = False, only: Sequence[str] = ()
+) -> None:
+    """The bundles (those named in `only`, or all) not yet under --work."""
     work.mkdir(parents=True, exist_ok=True)
+    wanted = {n: spec for n, spec in bundles(work, peer, full).items() if not only or n in only}
     scale, name = ("1", "e2b") if full else ("0.25", "e2b-s0.25")
-    if not (work / name / "config.json").is_file():
+    if any(n.startswith("e2b") for n in wanted) and not (work / name / "config.json").is_file():
         for preset, out in (("e2b", name), ("e2b-assistant", f"{name}-a")):
             run([*EDGEMTP, "synth", "--preset", preset, "--scale", scale, "--out",
                  str(work / out)], log)  # fmt: skip
-    for name, spec in bundles(work, peer, full).items():
+    for name, spec in wanted.items():
         if not (work / name / "manifest.json").is_file():
             run([*EDGEMTP, "export", *spec["export"], "--out", str(work / name)], log)
 
@@ -149,15 +154,17 @@ def measure(
 def repredict(
     work: Path, threads: int, peer: Path | None, full: bool = False
 ) -> list[dict[str, Any]]:
-    """The benches under --work predicted with the simulator as it is now, from the profile
-    calibrated before each bench and, where there is one, the one calibrated after it: a row's
-    prediction is the geometric mean of the two (the host's state during the bench lies between
-    them, as far as two calibrations can tell)."""
+    """The benches under --work (a bundle not benched there is left out) predicted with the
+    simulator as it is now, from the profile calibrated before each bench and, where there is
+    one, the one calibrated after it: a row's prediction is the geometric mean of the two (the
+    host's state during the bench lies between them, as far as two calibrations can tell)."""
     from edgemtp.devices.bench_prediction import predict_bench as predict
     from edgemtp.runtime.bench import BenchPlan
 
     docs = []
     for name in bundles(work, peer, full):
+        if not (work / f"bench-{name}").is_dir():
+            continue
         (result,) = (work / f"bench-{name}" / "results").glob("*.json")
         doc = json.loads(result.read_text())
         p = doc["plan"]
@@ -277,8 +284,8 @@ def main() -> None:
         "--only",
         nargs="+",
         default=[],
-        help="measure these bundles again (say, one whose bench the host's drift spoiled); "
-        "the others' benches under --work stay",
+        help="build and measure these bundles alone (say, one whose bench the host's drift "
+        "spoiled); the others' benches under --work stay and are reported",
     )
     parser.add_argument(
         "--predict-again", action="store_true", help="reuse the benches under --work, predict anew"
@@ -290,7 +297,7 @@ def main() -> None:
     if args.predict_again:
         docs = repredict(args.work, args.threads, args.peer, full)
     else:
-        build(args.work, log, args.peer, full)
+        build(args.work, log, args.peer, full, args.only)
         docs = measure(args.work, args.threads, args.repeat, log, args.peer, args.only, full)
     machine = docs[0]["machine"]
     result = {
