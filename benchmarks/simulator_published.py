@@ -28,13 +28,14 @@ from edgemtp.devices.fit import (
     PRIOR_WIDTH,
     REFERENCE_ENGINE,
     UNIT_CLASS,
+    achieved,
     fit,
     leave_one_out,
     load_figures,
     load_mtp,
-    plan_of,
     predict,
     profile,
+    prompt_flops,
     rates,
     usable,
     write_fitted,
@@ -95,8 +96,8 @@ def cpu_prefill_share(figures) -> list[dict[str, Any]]:
             continue
         unit = profile(f.device).delegates[f.delegate]
         threads = f.threads or unit.threads
-        peak = unit.peak_tops["int8"] * threads / unit.threads
-        flops = sum(c.work.flops for c in plan_of(f).prefill) / f.prompt
+        peak = achieved(unit, "int8", {}, threads).peak_tops["int8"]  # no factor: the profile's
+        flops = prompt_flops(f) / f.prompt
         tops = flops * f.tok_s / 1e12
         out.append({
             "id": f.id, "engine": f.engine, "threads": threads, "peak_tops": peak,

@@ -133,21 +133,24 @@ def beyond_the_machine(figure: Figure) -> str | None:
     measured on other hardware or another run (a larger chip, a pruned model, drafting on)
     than its conditions say; fitting it would push every factor past what the hardware has."""
     unit = profile(figure.device).delegates[figure.delegate]
-    plan = plan_of(figure)
     if figure.quantity == "decode":
-        gbs = plan.verify[0].work.bytes * figure.tok_s / 1e9
+        gbs = plan_of(figure).verify[0].work.bytes * figure.tok_s / 1e9
         if gbs > unit.peak_memory_bandwidth_gbs:
             return (
                 f"needs {gbs:.0f} GB/s to stream a step's weights and cache at "
                 f"{figure.tok_s:g} tok/s; the bus peaks at {unit.peak_memory_bandwidth_gbs:g}"
             )
         return None
-    flops = sum(c.work.flops for c in plan.prefill)
-    tops = flops / figure.prompt * figure.tok_s / 1e12
+    tops = prompt_flops(figure) / figure.prompt * figure.tok_s / 1e12
     peak = max(unit.peak_tops.values())
     if tops > peak:
         return f"needs {tops:.1f} TOPS at {figure.tok_s:g} tok/s; the unit peaks at {peak:g}"
     return None
+
+
+def prompt_flops(figure: Figure) -> float:
+    """The FLOPs of the figure's whole prompt, pruned or not as it ran."""
+    return sum(c.work.flops for c in plan_of(figure).prefill)
 
 
 @cache
